@@ -1,0 +1,132 @@
+"""Small multi-output models of the shapes lazygrad is for; used by the demo, tests and benchmarks.
+
+- `ThreeHeadMLP`: a shared trunk with three heads (multi-task).
+- `BertPretraining`: embeddings, attention layers, LayerNorm, GELU, an MLM head tied to the
+  embeddings and an NSP head; returns (loss, prediction_scores, seq_relationship_score).
+- `MoELayer`: top-1 routed experts returning (out, aux_loss), the load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ThreeHeadMLP(nn.Module):
+    def __init__(self, features: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(features, hidden), nn.Tanh())
+        self.regress = nn.Linear(hidden, 1)
+        self.classify = nn.Linear(hidden, 5)
+        self.embed = nn.Linear(hidden, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.regress(h), self.classify(h), self.embed(h)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    vocab: int = 1000
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    max_positions: int = 256
+    dropout: float = 0.0
+
+
+class SelfAttentionLayer(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
+        self.proj = nn.Linear(config.hidden, config.hidden)
+        self.norm1 = nn.LayerNorm(config.hidden)
+        self.ff = nn.Sequential(
+            nn.Linear(config.hidden, 4 * config.hidden),
+            nn.GELU(),
+            nn.Linear(4 * config.hidden, config.hidden),
+        )
+        self.norm2 = nn.LayerNorm(config.hidden)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / (hidden // self.heads) ** 0.5
+        attention = self.dropout(scores.softmax(-1)) @ v
+        x = self.norm1(x + self.proj(attention.transpose(1, 2).reshape(batch, seq, hidden)))
+        return self.norm2(x + self.dropout(self.ff(x)))
+
+
+class BertPretraining(nn.Module):
+    def __init__(self, config: BertConfig = BertConfig()) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab, config.hidden)
+        self.position = nn.Embedding(config.max_positions, config.hidden)
+        self.norm = nn.LayerNorm(config.hidden)
+        self.layers = nn.ModuleList(SelfAttentionLayer(config) for _ in range(config.layers))
+        self.transform = nn.Sequential(
+            nn.Linear(config.hidden, config.hidden), nn.GELU(), nn.LayerNorm(config.hidden)
+        )
+        self.decoder_bias = nn.Parameter(torch.zeros(config.vocab))
+        self.pooler = nn.Linear(config.hidden, config.hidden)
+        self.nsp = nn.Linear(config.hidden, 2)
+
+    def forward(
+        self, ids: torch.Tensor, mlm_labels: torch.Tensor, nsp_labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.norm(self.word(ids) + self.position(positions))
+        for layer in self.layers:
+            x = layer(x)
+        prediction_scores = self.transform(x) @ self.word.weight.t() + self.decoder_bias
+        seq_relationship_score = self.nsp(torch.tanh(self.pooler(x[:, 0])))
+        loss = F.cross_entropy(
+            prediction_scores.reshape(-1, prediction_scores.shape[-1]),
+            mlm_labels.reshape(-1),
+            ignore_index=-100,
+        ) + F.cross_entropy(seq_relationship_score, nsp_labels)
+        return loss, prediction_scores, seq_relationship_score
+
+
+def bert_batch(
+    config: BertConfig, batch: int = 4, seq: int = 16, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, MLM labels (-100 where not masked) and NSP labels."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab, (batch, seq), generator=generator)
+    masked = torch.rand(batch, seq, generator=generator) < 0.15
+    mlm_labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    mlm_labels[:, 1] = ids[:, 1]  # at least one masked token per row
+    nsp_labels = torch.randint(0, 2, (batch,), generator=generator)
+    return ids, mlm_labels, nsp_labels
+
+
+class MoELayer(nn.Module):
+    """Top-1 routing over dense experts, with the Switch-Transformer load-balancing loss."""
+
+    def __init__(self, hidden: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.experts_count = experts
+        self.router = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = self.router(x).softmax(-1)
+        top_prob, top_index = probs.topk(1, dim=-1)
+        top_prob, top_index = top_prob.squeeze(-1), top_index.squeeze(-1)
+        routed = F.one_hot(top_index, self.experts_count).to(x.dtype)
+        expert_out = torch.stack([expert(x) for expert in self.experts], -1)
+        out = (expert_out * (routed * top_prob.unsqueeze(-1)).unsqueeze(-2)).sum(-1)
+        fraction = routed.reshape(-1, self.experts_count).mean(0)
+        mean_prob = probs.reshape(-1, self.experts_count).mean(0)
+        aux_loss = self.experts_count * (fraction * mean_prob).sum()
+        return out, aux_loss

@@ -1,0 +1,118 @@
+"""Running ONNX graphs on torch tensors: ORT sessions, zero-copy in and out through DLPack.
+
+Inputs are handed to ORT as OrtValues that alias the torch storage, outputs come back as
+OrtValues that torch adopts without a copy; the same IOBinding path serves CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime
+import torch
+from onnxruntime.capi import _pybind_state as ort_c
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+
+# Measured: these fusions drop tensors that are requested graph outputs (the stash needs them):
+# SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
+DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]
+
+
+class GraphRunError(RuntimeError):
+    """ORT rejected the inputs of a graph (shape or type mismatch the signature did not catch)."""
+
+
+def cuda_provider_available() -> bool:
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+class GraphSession:
+    """One ORT InferenceSession bound to one torch device."""
+
+    def __init__(self, model: onnx.ModelProto, device: torch.device) -> None:
+        self.device = device
+        self.input_names = [value.name for value in model.graph.input]
+        self.output_names = [value.name for value in model.graph.output]
+        self._model_bytes = model.SerializeToString()
+        self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        self._output_device = _ort_device(device)
+
+    def _create(self, level: onnxruntime.GraphOptimizationLevel) -> onnxruntime.InferenceSession:
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
+        options.graph_optimization_level = level
+        return onnxruntime.InferenceSession(
+            self._model_bytes,
+            options,
+            providers=_providers(self.device),
+            disabled_optimizers=DISABLED_OPTIMIZERS,
+        )
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run with `feeds` (name -> tensor on this session's device); outputs in graph order."""
+        values = self._run(feeds)
+        if not all(value.is_tensor() for value in values):
+            # A fusion we have not met yet dropped a requested output: fall back, for good, to
+            # the basic optimisation level, which does no fusions.
+            self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC)
+            values = self._run(feeds)
+        for name, value in zip(self.output_names, values):
+            if not value.is_tensor():
+                raise GraphRunError(f"ORT produced no tensor for requested output '{name}'")
+        return [_to_tensor(value) for value in values]
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> list[ort_c.OrtValue]:
+        binding = ort_c.SessionIOBinding(self._session._sess)
+        for name in self.input_names:
+            binding.bind_ortvalue_input(name, _to_ortvalue(feeds[name]))
+        for name in self.output_names:
+            binding.bind_output(name, self._output_device)
+        if self.device.type == "cuda":
+            binding.synchronize_inputs()
+        try:
+            self._session._sess.run_with_iobinding(binding, None)
+        except Exception as error:  # ORT's own exception types, re-raised with the graph named
+            raise GraphRunError(str(error)) from error
+        if self.device.type == "cuda":
+            binding.synchronize_outputs()
+        return list(binding.get_outputs())
+
+
+def _providers(device: torch.device) -> list:
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"]
+    if device.type == "cuda":
+        if not cuda_provider_available():
+            raise RuntimeError(
+                "lazygrad: CUDA tensors were given but onnxruntime's CUDAExecutionProvider "
+                "is not available in this installation"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(index).cuda_stream
+        # ORT computes on torch's current stream, so no extra synchronisation is needed between
+        # torch producing an input and ORT reading it, nor ORT writing and torch reading.
+        options = {"device_id": str(index), "user_compute_stream": str(stream)}
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+    raise RuntimeError(f"lazygrad: unsupported device {device}; expected cpu or cuda")
+
+
+def _ort_device(device: torch.device) -> ort_c.OrtDevice:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return ort_c.OrtDevice(ort_c.OrtDevice.cuda(), ort_c.OrtDevice.default_memory(), index)
+    return ort_c.OrtDevice(ort_c.OrtDevice.cpu(), ort_c.OrtDevice.default_memory(), 0)
+
+
+def _to_ortvalue(tensor: torch.Tensor) -> ort_c.OrtValue:
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bool:
+        # ORT 1.19's DLPack reader knows bool only as uint8 plus a flag.
+        return ort_c.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
+    return ort_c.OrtValue.from_dlpack(to_dlpack(tensor), False)
+
+
+def _to_tensor(value: ort_c.OrtValue) -> torch.Tensor:
+    tensor = from_dlpack(value.to_dlpack())
+    if value.data_type() == "tensor(bool)":
+        return tensor.view(torch.bool)
+    return tensor

@@ -1,0 +1,97 @@
+"""Flatten a call's arguments and key it: what decides whether an exported graph can be reused.
+
+A graph exported for one call serves another call when the two agree on the train/eval flags, on the
+structure of the arguments, on every tensor's dtype, rank, device and requires_grad, on every
+non-tensor argument's value, and on the parameters' dtypes, devices and requires_grad. Sizes are
+not part of the key: graphs are exported with dynamic axes (see `export.py`), unless the trace
+showed that sizes were baked in, in which case the runtime adds them (`with_shapes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    ndim: int
+    device: torch.device
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    modes: tuple[bool, ...]  # train/eval flag of every submodule
+    structure: pytree.TreeSpec
+    tensors: tuple[TensorMeta, ...]
+    constants: tuple[Hashable, ...]
+    state: tuple[TensorMeta, ...]
+    shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def with_shapes(self, tensors: list[torch.Tensor]) -> Signature:
+        return dataclasses.replace(self, shapes=tuple(tuple(t.shape) for t in tensors))
+
+
+@dataclasses.dataclass
+class FlatCall:
+    """One call's arguments, split into tensor leaves and everything else."""
+
+    leaves: list[Any]
+    structure: pytree.TreeSpec
+    tensor_positions: list[int]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.tensor_positions]
+
+    def rebuild(self, tensors: list[Any]) -> tuple[tuple, dict]:
+        """The (args, kwargs) of the call with its tensor leaves replaced by `tensors`."""
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.structure)
+
+
+def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
+    leaves, structure = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    return FlatCall(leaves, structure, positions)
+
+
+def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tensor.dtype, tensor.dim(), tensor.device, tensor.requires_grad)
+
+
+def signature_of(
+    call: FlatCall, state: dict[str, torch.Tensor], modes: tuple[bool, ...]
+) -> Signature:
+    constants = tuple(
+        _hashable(leaf, i)
+        for i, leaf in enumerate(call.leaves)
+        if not isinstance(leaf, torch.Tensor)
+    )
+    return Signature(
+        modes=modes,
+        structure=call.structure,
+        tensors=tuple(tensor_meta(t) for t in call.tensors),
+        constants=constants,
+        state=tuple(tensor_meta(t) for t in state.values()),
+    )
+
+
+def _hashable(value: Any, position: int) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"lazygrad: argument leaf {position} of type {type(value).__name__} is neither a "
+            "tensor nor hashable; non-tensor arguments are baked into the exported graph and "
+            "must be hashable so the graph can be looked up again"
+        ) from None
+    return (type(value), value)
