@@ -1,0 +1,19 @@
+"""lazygrad: PyTorch training through ONNX Runtime with a backward built lazily per grad mask."""
+
+from lazygrad.api import clear_cache, lazy, reset_stats, stats
+from lazygrad.runtime import FallbackWarning, LazygradError, Options
+from lazygrad.session import GraphRunError
+from lazygrad.stats import EntryStats, Stats
+
+__all__ = [
+    "EntryStats",
+    "FallbackWarning",
+    "GraphRunError",
+    "LazygradError",
+    "Options",
+    "Stats",
+    "clear_cache",
+    "lazy",
+    "reset_stats",
+    "stats",
+]

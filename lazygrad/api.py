@@ -1,0 +1,125 @@
+"""The public surface: `lazy` (decorator or wrapper), and the statistics of a lazy model."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from lazygrad.runtime import ORIGINAL_FORWARD, Options, Runtime
+from lazygrad.stats import Stats
+
+RUNTIME = "_lazygrad_runtime"
+OPTIONS = "_lazygrad_options"
+
+M = TypeVar("M", bound=torch.nn.Module)
+_creation_lock = threading.Lock()
+
+
+@overload
+def lazy(target: type[M], /) -> type[M]: ...
+@overload
+def lazy(target: M, /) -> M: ...
+@overload
+def lazy(
+    *, policy: str = "predict", cache_size: int = 64, strict: bool = False
+) -> Callable[[Any], Any]: ...
+
+
+def lazy(
+    target: Any = None,
+    /,
+    *,
+    policy: str = "predict",
+    cache_size: int = 64,
+    strict: bool = False,
+) -> Any:
+    """Route a module's calls through lazygrad's runtime.
+
+    `@lazygrad.lazy` on an `nn.Module` class makes every instance lazy; `lazygrad.lazy(model)`
+    makes one existing instance lazy (and returns it). With arguments, `@lazygrad.lazy(...)`.
+
+    policy: what the forward stashes for backward: "predict" (for the mask last seen), "all"
+    (for every output, as ORTModule does) or "recompute" (nothing; the backward recomputes).
+    cache_size: how many graphs of each kind the model keeps (LRU).
+    strict: raise `LazygradError` instead of falling back to eager PyTorch.
+    """
+    options = Options(policy=policy, cache_size=cache_size, strict=strict)
+
+    def apply(target: Any) -> Any:
+        if isinstance(target, type) and issubclass(target, torch.nn.Module):
+            return _lazy_class(target, options)
+        if isinstance(target, torch.nn.Module):
+            return _lazy_instance(target, options)
+        raise TypeError(
+            f"lazygrad.lazy expects an nn.Module subclass or instance, got {type(target).__name__}"
+        )
+
+    return apply if target is None else apply(target)
+
+
+class LazyForward:
+    """An instance's forward made lazy; a plain object so the module still pickles."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runtime(args, kwargs)
+
+
+def _lazy_class(cls: type[M], options: Options) -> type[M]:
+    if ORIGINAL_FORWARD in cls.__dict__:
+        raise TypeError(f"lazygrad: {cls.__name__} is lazy already")
+    original = cls.__dict__.get("forward")
+    if original is None:
+        raise TypeError(f"lazygrad: {cls.__name__} must define forward to be made lazy")
+
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return runtime_of(self)(args, kwargs)
+
+    setattr(cls, ORIGINAL_FORWARD, original)
+    setattr(cls, OPTIONS, options)
+    cls.forward = forward  # type: ignore[method-assign]
+    return cls
+
+
+def _lazy_instance(module: M, options: Options) -> M:
+    if RUNTIME in module.__dict__ or OPTIONS in type(module).__dict__:
+        raise TypeError(f"lazygrad: this {type(module).__name__} is lazy already")
+    runtime = Runtime(module, options)
+    module.__dict__[RUNTIME] = runtime
+    module.__dict__["forward"] = LazyForward(runtime)
+    return module
+
+
+def runtime_of(module: torch.nn.Module) -> Runtime:
+    runtime = module.__dict__.get(RUNTIME)
+    if runtime is not None:
+        return runtime
+    options = getattr(type(module), OPTIONS, None)
+    if options is None:
+        raise TypeError(
+            f"lazygrad: {type(module).__name__} is not lazy; use @lazygrad.lazy or lazygrad.lazy(m)"
+        )
+    with _creation_lock:
+        return module.__dict__.setdefault(RUNTIME, Runtime(module, options))
+
+
+def stats(model: torch.nn.Module) -> Stats:
+    """A snapshot of the model's cache statistics (hits, misses, builds, entries ...)."""
+    return runtime_of(model).snapshot()
+
+
+def reset_stats(model: torch.nn.Module) -> None:
+    """Zero the counters; cached graphs stay."""
+    runtime_of(model).reset_stats()
+
+
+def clear_cache(model: torch.nn.Module) -> None:
+    """Drop every cached graph and session of the model (the next call exports again)."""
+    runtime_of(model).clear()

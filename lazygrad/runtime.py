@@ -1,0 +1,449 @@
+"""The runtime of one lazy module: decides which graph serves a call, and runs it.
+
+Deciding (signature -> exported graph, mask -> backward graph, policy -> what to stash) is kept
+here; running graphs is `session.py`'s job, building them `export.py`'s and `gradient.py`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import onnx
+import torch
+
+from lazygrad import onnx_graph
+from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_module, in_eager_mode
+from lazygrad.function import LazyFunction
+from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
+from lazygrad.graph_cache import GraphCache
+from lazygrad.session import GraphRunError, GraphSession
+from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
+from lazygrad.stats import EntryStats, Stats
+
+POLICIES = ("predict", "all", "recompute")
+
+
+class LazygradError(RuntimeError):
+    """Raised in strict mode where the runtime would otherwise fall back to eager PyTorch."""
+
+
+class FallbackWarning(UserWarning):
+    """A signature of a lazy module runs in eager PyTorch (the reason is in the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a lazy module runs; given once, to `lazygrad.lazy`."""
+
+    policy: str = "predict"
+    cache_size: int = 64
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 1:
+            raise ValueError(f"lazygrad: cache_size must be a positive int, got {self.cache_size!r}")
+
+
+@dataclasses.dataclass
+class SignatureEntry:
+    """Everything known about one input signature: its graph, what is trainable, what to stash."""
+
+    exported: ExportedGraph
+    types: dict[str, onnx.TypeProto]
+    trainable: list[str]  # graph inputs whose tensors require grad
+    differentiable: tuple[bool, ...]  # per graph output
+    available: set[str]  # forward tensors a backward graph may read instead of recomputing
+    random: tuple[str, ...]  # outputs of random ops: always stashed, never recomputed
+    prediction: tuple[bool, ...]  # the mask the next backward is expected to have
+    sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class BackwardEntry:
+    graph: BackwardGraph
+    stats: EntryStats
+    sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
+
+
+ORIGINAL_FORWARD = "_lazygrad_original_forward"
+
+
+def original_forward(cls: type) -> Callable:
+    """The forward a lazy class (or a class with a lazy instance) had before it was made lazy."""
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return klass.__dict__.get(ORIGINAL_FORWARD, klass.__dict__["forward"])
+    raise TypeError(f"lazygrad: {cls.__name__} defines no forward")
+
+
+class Runtime:
+    """Owns one module's caches and statistics; called in place of the module's forward."""
+
+    def __init__(self, module: torch.nn.Module, options: Options) -> None:
+        self.module = module
+        self.options = options
+        self._init_caches()
+
+    def _init_caches(self) -> None:
+        self.forward_fn = original_forward(type(self.module))
+        self._lock = threading.RLock()
+        self.stats = Stats()
+        self._signatures = GraphCache(self.options.cache_size, self._count_eviction)
+        self._fallbacks: dict[Signature, str] = {}
+        self._backward = GraphCache(self.options.cache_size, self._count_eviction)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sessions and graphs are rebuilt on demand; a copy starts with empty caches and stats.
+        return {"module": self.module, "options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_caches()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._signatures.clear()
+            self._backward.clear()
+            self._fallbacks.clear()
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = Stats()
+            for entry in self._backward.values():
+                entry.stats.hits = 0
+
+    def snapshot(self) -> Stats:
+        with self._lock:
+            entries = [dataclasses.replace(e.stats) for e in self._backward.values()]
+            return dataclasses.replace(self.stats, entries=entries)
+
+    def _count_eviction(self, key: Hashable, value: Any) -> None:
+        self.stats.evictions += 1
+
+    # ---- the call ----------------------------------------------------------------------------
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if in_eager_mode():
+            return self.forward_fn(self.module, *args, **kwargs)
+        call = flatten_call(args, kwargs)
+        state = _module_state(self.module)
+        signature = signature_of(call, state, tuple(m.training for m in self.module.modules()))
+        with self._lock:
+            reason = self._fallbacks.get(signature)
+            entry = None if reason else self._signatures.get(signature)
+        if reason is not None:
+            return self._eager(args, kwargs)
+        if entry is None:
+            try:
+                entry = self._prepare(signature, call, state)
+            except (ExportError, GradientError) as error:
+                return self._fall_back(signature, args, kwargs, error)
+        if entry.exported.static_shapes:
+            return self._call_static(signature, call, state, args, kwargs)
+        return self._run(entry, signature, call, state, args, kwargs)
+
+    def _call_static(
+        self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
+    ) -> Any:
+        """A trace that baked sizes in: one graph per concrete shape set."""
+        shaped = signature.with_shapes(call.tensors)
+        with self._lock:
+            entry = self._signatures.get(shaped)
+        if entry is None:
+            try:
+                entry = self._prepare(shaped, call, state)
+            except (ExportError, GradientError) as error:
+                return self._fall_back(shaped, args, kwargs, error)
+        return self._run(entry, shaped, call, state, args, kwargs)
+
+    def _run(
+        self,
+        entry: SignatureEntry,
+        signature: Signature,
+        call: FlatCall,
+        state: dict,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        inputs = _graph_feeds(entry.exported, state, call)
+        device = _common_device(entry.exported.graph_inputs, inputs)
+        try:
+            if self._needs_grad(entry):
+                step = Step(self, signature, entry, device)
+                outputs = LazyFunction.apply(step, *inputs)
+            else:
+                session = self._forward_session(entry, (), device)
+                outputs = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
+        except GraphRunError as error:
+            return self._fall_back(signature, args, kwargs, error)
+        return entry.exported.outputs.rebuild(list(outputs))
+
+    def _needs_grad(self, entry: SignatureEntry) -> bool:
+        # As ORTModule does: eval mode and no_grad run the plain inference graph.
+        return (
+            torch.is_grad_enabled()
+            and self.module.training
+            and bool(entry.trainable)
+            and any(entry.differentiable)
+        )
+
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        with eager_mode():
+            return self.forward_fn(self.module, *args, **kwargs)
+
+    def _fall_back(self, signature: Signature, args: tuple, kwargs: dict, error: Exception) -> Any:
+        """Run eagerly; if eager fails too the input is bad, and eager's error is the one raised."""
+        result = self._eager(args, kwargs)
+        reason = f"{type(self.module).__name__}: {error}"
+        if self.options.strict:
+            raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}") from error
+        with self._lock:
+            if signature not in self._fallbacks:
+                self._fallbacks[signature] = reason
+                self._signatures.pop(signature, None)
+                self.stats.fallbacks += 1
+                warnings.warn(
+                    f"lazygrad falls back to eager PyTorch for this input signature: {reason}",
+                    FallbackWarning,
+                    stacklevel=4,
+                )
+        return result
+
+    # ---- graphs ------------------------------------------------------------------------------
+
+    def _prepare(self, signature: Signature, call: FlatCall, state: dict) -> SignatureEntry:
+        """Export the signature's forward graph and plan its first backward."""
+        exported = export_module(self.module, self.forward_fn, state, call)
+        types = onnx_graph.tensor_types(exported.model)
+        feeds = dict(zip(exported.graph_inputs, _graph_feeds(exported, state, call)))
+        trainable = [
+            name for name, tensor in feeds.items()
+            if tensor.requires_grad and tensor.is_floating_point()
+        ]
+        differentiable_names = set(differentiable_outputs(exported.model, trainable, types))
+        differentiable = tuple(name in differentiable_names for name in exported.graph_outputs)
+        nodes = list(exported.model.graph.node)
+        random = onnx_graph.random_outputs(nodes)
+        if self.options.policy == "recompute":
+            available = set(exported.graph_inputs) | random
+        else:
+            available = onnx_graph.produced_names(nodes) | set(exported.graph_inputs)
+        entry = SignatureEntry(
+            exported=exported,
+            types=types,
+            trainable=trainable,
+            differentiable=differentiable,
+            available=available,
+            random=tuple(sorted(random)),
+            prediction=differentiable,
+        )
+        with self._lock:
+            self.stats.exports += 1
+            if trainable and any(differentiable):
+                # Builds the graph of the all-outputs mask: it plans the first step's stash and
+                # proves the signature differentiable before anything runs through ORT.
+                self._backward_entry(signature, entry, differentiable, count=False)
+            self._signatures[signature] = entry
+        return entry
+
+    def _backward_entry(
+        self,
+        signature: Signature,
+        entry: SignatureEntry,
+        mask: tuple[bool, ...],
+        count: bool,
+    ) -> BackwardEntry:
+        """The cached backward graph for `mask`, built on a miss. `count`: a real lookup."""
+        key = (signature, mask)
+        with self._lock:
+            found = self._backward.get(key)
+            if found is not None:
+                if count:
+                    self.stats.hits += 1
+                    found.stats.hits += 1
+                return found
+            if count:
+                self.stats.misses += 1
+            outputs = [n for n, bit in zip(entry.exported.graph_outputs, mask) if bit]
+            graph = build_backward(
+                entry.exported.model, outputs, entry.trainable, entry.available, entry.types
+            )
+            self.stats.builds += 1
+            built = BackwardEntry(graph, EntryStats(mask=mask, build_seconds=graph.build_seconds))
+            self._backward[key] = built
+            return built
+
+    def _forward_session(
+        self, entry: SignatureEntry, stash: tuple[str, ...], device: torch.device
+    ) -> GraphSession:
+        key = ("forward", stash, _device_key(device))
+        with self._lock:
+            session = entry.sessions.get(key)
+            if session is None:
+                session = GraphSession(_with_extra_outputs(entry, stash), device)
+                entry.sessions[key] = session
+            return session
+
+    def _recompute_session(
+        self,
+        entry: SignatureEntry,
+        have: tuple[str, ...],
+        missing: tuple[str, ...],
+        device: torch.device,
+    ) -> GraphSession:
+        key = ("recompute", have, missing, _device_key(device))
+        with self._lock:
+            session = entry.sessions.get(key)
+            if session is None:
+                session = GraphSession(_recompute_model(entry, set(have), missing), device)
+                entry.sessions[key] = session
+            return session
+
+    def _backward_session(self, backward: BackwardEntry, device: torch.device) -> GraphSession:
+        key = _device_key(device)
+        with self._lock:
+            session = backward.sessions.get(key)
+            if session is None:
+                session = GraphSession(backward.graph.model, device)
+                backward.sessions[key] = session
+            return session
+
+    def plan_stash(self, signature: Signature, entry: SignatureEntry) -> tuple[str, ...]:
+        """Forward tensors (intermediates and outputs) to keep for the expected backward."""
+        if self.options.policy == "recompute":
+            return entry.random
+        mask = entry.differentiable if self.options.policy == "all" else entry.prediction
+        graph = self._backward_entry(signature, entry, mask, count=False).graph
+        inputs = set(entry.exported.graph_inputs)
+        return tuple(sorted({n for n in graph.reads if n not in inputs} | set(entry.random)))
+
+
+class Step:
+    """One call of a lazy module that records autograd: its forward, then maybe its backward."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        signature: Signature,
+        entry: SignatureEntry,
+        device: torch.device,
+    ) -> None:
+        self.runtime = runtime
+        self.signature = signature
+        self.entry = entry
+        self.device = device
+        self.differentiable = entry.differentiable
+        self.stash: tuple[str, ...] = ()
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        runtime, entry = self.runtime, self.entry
+        self.stash = runtime.plan_stash(self.signature, entry)
+        session = runtime._forward_session(entry, self.stash, self.device)
+        results = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
+        produced = dict(zip(session.output_names, results))
+        outputs = results[: len(entry.exported.graph_outputs)]
+        return outputs, [*inputs, *(produced[name] for name in self.stash)]
+
+    def backward(
+        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
+    ) -> list[torch.Tensor | None]:
+        runtime, entry = self.runtime, self.entry
+        names = entry.exported.graph_inputs
+        mask = tuple(g is not None for g in grads)
+        if not any(mask):
+            return [None] * len(names)
+        backward = runtime._backward_entry(self.signature, entry, mask, count=True)
+        entry.prediction = mask
+        values = dict(zip([*names, *self.stash], saved))
+        missing = tuple(name for name in backward.graph.reads if name not in values)
+        if missing:
+            values.update(self._recompute(values, missing))
+        feeds = {name: values[name] for name in backward.graph.reads}
+        outputs = entry.exported.graph_outputs
+        for grad_name, output in zip(backward.graph.grad_input_names, backward.graph.grad_of):
+            feeds[grad_name] = grads[outputs.index(output)]
+        session = runtime._backward_session(backward, self.device)
+        results = dict(zip(backward.graph.grads_for, session.run(feeds)))
+        return [results.get(name) for name in names]
+
+    def _recompute(
+        self, values: dict[str, torch.Tensor], missing: tuple[str, ...]
+    ) -> dict[str, torch.Tensor]:
+        """The prediction missed: rebuild the intermediates this mask needs from saved inputs."""
+        session = self.runtime._recompute_session(self.entry, self.stash, missing, self.device)
+        with self.runtime._lock:
+            self.runtime.stats.recomputes += 1
+        return dict(zip(missing, session.run({n: values[n] for n in session.input_names})))
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    return state
+
+
+def _graph_feeds(
+    exported: ExportedGraph, state: dict[str, torch.Tensor], call: FlatCall
+) -> list[torch.Tensor]:
+    tensors = call.tensors
+    return [state[n] for n in exported.state_names] + [tensors[i] for i in exported.input_positions]
+
+
+def _common_device(names: list[str], tensors: list[torch.Tensor]) -> torch.device:
+    if not tensors:
+        return torch.device("cpu")
+    device = tensors[0].device
+    for name, tensor in zip(names, tensors):
+        if tensor.device != device:
+            raise ValueError(
+                f"lazygrad: '{names[0]}' is on {device} but '{name}' is on {tensor.device}; "
+                "all inputs and parameters of a lazy module must be on one device"
+            )
+    return device
+
+
+def _device_key(device: torch.device) -> Hashable:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
+    return (device.type, device.index)
+
+
+def _with_extra_outputs(entry: SignatureEntry, extra: tuple[str, ...]) -> onnx.ModelProto:
+    """The forward graph, also returning the stashed tensors `extra` it does not return yet."""
+    model = entry.exported.model
+    returned = set(entry.exported.graph_outputs)
+    outputs = list(model.graph.output) + [
+        onnx_graph.value_info(name, entry.types[name]) for name in extra if name not in returned
+    ]
+    return onnx_graph.make_model(
+        model, list(model.graph.node), list(model.graph.input), outputs,
+        list(model.graph.initializer), "lazygrad_forward",
+    )
+
+
+def _recompute_model(
+    entry: SignatureEntry, stash: set[str], missing: tuple[str, ...]
+) -> onnx.ModelProto:
+    """Forward nodes that make `missing` from the graph inputs and the stashed tensors."""
+    model = entry.exported.model
+    have = set(entry.exported.graph_inputs) | stash
+    nodes = onnx_graph.slice_nodes(list(model.graph.node), missing, have)
+    reads = sorted((onnx_graph.consumed_names(nodes) - onnx_graph.produced_names(nodes)) & have)
+    return onnx_graph.make_model(
+        model,
+        nodes,
+        [onnx_graph.value_info(name, entry.types[name]) for name in reads],
+        [onnx_graph.value_info(name, entry.types[name]) for name in missing],
+        [init for init in model.graph.initializer],
+        "lazygrad_recompute",
+    )
+
