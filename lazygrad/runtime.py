@@ -47,7 +47,9 @@ class Options:
         if self.policy not in POLICIES:
             raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
-            raise ValueError(f"lazygrad: cache_size must be a positive int, got {self.cache_size!r}")
+            raise ValueError(
+                f"lazygrad: cache_size must be a positive int, got {self.cache_size!r}"
+            )
 
 
 @dataclasses.dataclass

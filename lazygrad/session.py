@@ -12,7 +12,6 @@ import torch
 from onnxruntime.capi import _pybind_state as ort_c
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-
 # Measured: these fusions drop tensors that are requested graph outputs (the stash needs them):
 # SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
 DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]

@@ -1,4 +1,4 @@
-"""Cache statistics as plain data: what a user inspects to see whether the lazy backward pays off."""
+"""Cache statistics as plain data: how a user sees whether the lazy backward pays off."""
 
 from __future__ import annotations
 
