@@ -1,0 +1,113 @@
+"""Shared helpers: reference gradients from PyTorch, and the models under test."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+import lazygrad
+from lazygrad.models import BertConfig, BertPretraining, MoELayer, ThreeHeadMLP, bert_batch
+
+RTOL = 1e-5
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|: one number per tensor, robust to tiny entries."""
+    scale = expected.abs().max().item()
+    return (actual - expected).abs().max().item() / max(scale, 1e-12)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    error = relative_error(actual, expected)
+    assert error <= RTOL, f"{what}: relative error {error:.2e} > {RTOL:.0e}"
+
+
+def all_masks(count: int) -> list[tuple[bool, ...]]:
+    """Every non-empty grad mask over `count` outputs."""
+    return [m for m in itertools.product([False, True], repeat=count) if any(m)]
+
+
+def lazy_copy(model: torch.nn.Module, **options) -> torch.nn.Module:
+    return lazygrad.lazy(copy.deepcopy(model), **options)
+
+
+def compose_loss(
+    outputs: Sequence[torch.Tensor], mask: Sequence[bool], cotangents: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """sum_i <cotangent_i, output_i> over the masked outputs: its gradient is the VJP."""
+    return sum((out * cot).sum() for out, bit, cot in zip(outputs, mask, cotangents) if bit)
+
+
+def reference_vjp(
+    model: torch.nn.Module,
+    inputs: tuple,
+    mask: Sequence[bool],
+    cotangents: Sequence[torch.Tensor],
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], tuple]:
+    """Outputs, parameter gradients and input gradients from `torch.func.vjp`."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    float_inputs = tuple(t for t in inputs if t.is_floating_point() and t.requires_grad)
+
+    def run(params, *diff_inputs):
+        it = iter(diff_inputs)
+        call = tuple(next(it) if (t.is_floating_point() and t.requires_grad) else t for t in inputs)
+        return torch.func.functional_call(model, params, call)
+
+    outputs, vjp = torch.func.vjp(run, params, *[t.detach() for t in float_inputs])
+    cots = tuple(
+        cot if bit else torch.zeros_like(out) for out, bit, cot in zip(outputs, mask, cotangents)
+    )
+    param_grads, *input_grads = vjp(cots)
+    return outputs, param_grads, tuple(input_grads)
+
+
+def eager_none_pattern(
+    model: torch.nn.Module, inputs: tuple, mask: Sequence[bool]
+) -> dict[str, bool]:
+    """Which parameters eager PyTorch leaves with `.grad is None` for this mask."""
+    model = copy.deepcopy(model)
+    outputs = model(*inputs)
+    compose_loss(outputs, mask, [torch.ones_like(o) for o in outputs]).backward()
+    return {name: p.grad is None for name, p in model.named_parameters()}
+
+
+MODEL_CASES: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {}
+
+
+def model_case(name: str):
+    def register(factory):
+        MODEL_CASES[name] = factory
+        return factory
+
+    return register
+
+
+@model_case("three_head_mlp")
+def _mlp() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    return ThreeHeadMLP(), (torch.randn(6, 16),)
+
+
+@model_case("bert")
+def _bert() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    config = BertConfig(vocab=500, hidden=32, layers=2, heads=4)
+    return BertPretraining(config), bert_batch(config, batch=3, seq=12)
+
+
+@model_case("moe")
+def _moe() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    return MoELayer(hidden=16, experts=4), (torch.randn(3, 5, 16),)
+
+
+@pytest.fixture(params=sorted(MODEL_CASES))
+def case(request) -> tuple[str, torch.nn.Module, tuple]:
+    model, inputs = MODEL_CASES[request.param]()
+    return request.param, model, inputs
