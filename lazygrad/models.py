@@ -76,6 +76,8 @@ class BertPretraining(nn.Module):
         self.decoder_bias = nn.Parameter(torch.zeros(config.vocab))
         self.pooler = nn.Linear(config.hidden, config.hidden)
         self.nsp = nn.Linear(config.hidden, 2)
+        for embedding in (self.word, self.position):
+            nn.init.normal_(embedding.weight, std=0.02)  # as BERT does: logits start small
 
     def forward(
         self, ids: torch.Tensor, mlm_labels: torch.Tensor, nsp_labels: torch.Tensor
