@@ -1,0 +1,122 @@
+"""The backward graph is built once per grad mask and reused; the statistics say so."""
+
+from __future__ import annotations
+
+import torch
+from conftest import MODEL_CASES, assert_close, compose_loss, lazy_copy, reference_vjp
+
+import lazygrad
+
+
+def _train_step(model, inputs, mask):
+    outputs = model(*inputs)
+    model.zero_grad(set_to_none=True)
+    compose_loss(outputs, mask, [torch.ones_like(o) for o in outputs]).backward()
+    return outputs
+
+
+def test_ten_steps_with_one_mask_give_one_miss_and_nine_hits():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model)
+    for _ in range(10):
+        _train_step(lazy, inputs, (True, False, False))
+    stats = lazygrad.stats(lazy)
+    assert (stats.misses, stats.hits) == (1, 9)
+    assert stats.hit_rate == 0.9
+    used = [e for e in stats.entries if e.mask == (True, False, False)]
+    assert len(used) == 1 and used[0].hits == 9 and used[0].build_seconds > 0
+
+
+def test_alternating_two_masks_for_twenty_steps_builds_two_graphs():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model)
+    masks = [(True, True, True), (True, False, False)]
+    for step in range(20):
+        _train_step(lazy, inputs, masks[step % 2])
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 2
+    assert (stats.misses, stats.hits) == (1, 19)  # the all-outputs graph was built to plan
+    assert sorted(e.hits for e in stats.entries) == [9, 10]
+
+
+def test_alternating_two_partial_masks_adds_only_the_planning_graph():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model)
+    masks = [(False, True, False), (True, False, True)]
+    for step in range(20):
+        _train_step(lazy, inputs, masks[step % 2])
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 3 and stats.misses == 2 and stats.hits == 18
+    planning = [e for e in stats.entries if e.mask == (True, True, True)]
+    assert len(planning) == 1 and planning[0].hits == 0
+
+
+def test_moe_aux_loss_every_third_step_builds_two_graphs_not_one_per_step():
+    model, (x,) = MODEL_CASES["moe"]()
+    lazy = lazy_copy(model)
+    for step in range(12):
+        out, aux = lazy(x)
+        loss = out.pow(2).mean() + (0.01 * aux if step % 3 == 0 else 0)
+        lazy.zero_grad(set_to_none=True)
+        loss.backward()
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 2
+    assert {e.mask for e in stats.entries} == {(True, True), (True, False)}
+    # (out, aux) is the all-outputs mask, built when the signature was planned: one miss only.
+    assert stats.misses == 1 and stats.hits == 11
+
+
+def test_a_new_mask_after_many_steps_is_a_miss_with_correct_gradients():
+    model, inputs = MODEL_CASES["bert"]()
+    lazy = lazy_copy(model)
+    for _ in range(3):
+        _train_step(lazy, inputs, (False, False, True))  # NSP only: a small stash
+    mask = (True, True, False)  # needs the MLM head's intermediates: recomputed
+    outputs = lazy(*inputs)
+    cotangents = [torch.randn_like(o) for o in outputs]
+    lazy.zero_grad(set_to_none=True)
+    compose_loss(outputs, mask, cotangents).backward()
+    _, expected, _ = reference_vjp(model, inputs, mask, cotangents)
+    for name, p in lazy.named_parameters():
+        if p.grad is not None:
+            assert_close(p.grad, expected[name], name)
+    stats = lazygrad.stats(lazy)
+    assert stats.misses == 2 and stats.recomputes == 1
+
+
+def test_cache_size_evicts_least_recently_used_and_counts_evictions():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model, cache_size=2)
+    for mask in [(True, False, False), (False, True, False), (True, False, False),
+                 (False, False, True)]:
+        _train_step(lazy, inputs, mask)
+    stats = lazygrad.stats(lazy)
+    cached = {e.mask for e in stats.entries}
+    assert cached == {(True, False, False), (False, False, True)}  # (0,1,0) was least recent
+    assert stats.evictions >= 2
+
+
+def test_reset_stats_keeps_graphs_and_clear_cache_drops_them():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model)
+    for _ in range(3):
+        _train_step(lazy, inputs, (True, False, False))
+    lazygrad.reset_stats(lazy)
+    _train_step(lazy, inputs, (True, False, False))
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.misses, stats.builds) == (1, 0, 0)
+    lazygrad.clear_cache(lazy)
+    _train_step(lazy, inputs, (True, False, False))
+    stats = lazygrad.stats(lazy)
+    assert stats.misses == 1 and stats.exports == 1
+
+
+def test_stats_is_a_snapshot_that_prints_a_table():
+    model, inputs = MODEL_CASES["three_head_mlp"]()
+    lazy = lazy_copy(model)
+    _train_step(lazy, inputs, (True, False, False))
+    snapshot = lazygrad.stats(lazy)
+    _train_step(lazy, inputs, (True, False, False))
+    assert snapshot.hits == 0 and lazygrad.stats(lazy).hits == 1
+    text = str(lazygrad.stats(lazy))
+    assert "hit_rate=50.0%" in text and "100" in text

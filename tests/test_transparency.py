@@ -1,0 +1,161 @@
+"""A lazy module is still the user's module: class, state, modes, copies, optimizers, hooks."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from conftest import assert_close
+
+import lazygrad
+from lazygrad.models import ThreeHeadMLP
+
+
+@lazygrad.lazy
+class LazyMLP(ThreeHeadMLP):
+    """A subclass decorated at definition: every instance is lazy."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+@lazygrad.lazy(policy="all", cache_size=8)
+class LazyWithOptions(ThreeHeadMLP):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _reference(model: torch.nn.Module) -> ThreeHeadMLP:
+    plain = ThreeHeadMLP()
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def _assert_same_training_step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    eager = _reference(model)
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        a, b, _ = m(x)
+        (a.sum() + b.square().mean()).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, name)
+
+
+def test_class_decorator_keeps_isinstance_and_runs_lazily():
+    torch.manual_seed(0)
+    model = LazyMLP()
+    assert isinstance(model, LazyMLP) and isinstance(model, ThreeHeadMLP)
+    _assert_same_training_step(model, torch.randn(4, 16))
+    assert lazygrad.stats(model).misses == 1
+
+
+def test_decorator_with_arguments_applies_its_options():
+    model = LazyWithOptions()
+    model(torch.randn(2, 16))[0].sum().backward()
+    runtime_options = lazygrad.api.runtime_of(model).options
+    assert (runtime_options.policy, runtime_options.cache_size) == ("all", 8)
+
+
+def test_instance_wrapper_keeps_state_dict_parameters_and_modules():
+    plain = ThreeHeadMLP()
+    keys = list(plain.state_dict())
+    params = list(plain.parameters())
+    modules = [name for name, _ in plain.named_modules()]
+    model = lazygrad.lazy(plain)
+    assert model is plain and type(model) is ThreeHeadMLP
+    assert list(model.state_dict()) == keys
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert [name for name, _ in model.named_modules()] == modules
+
+
+def test_train_eval_switch_selects_graphs_and_eval_has_no_autograd_node():
+    torch.manual_seed(0)
+    model = LazyMLP()
+    x = torch.randn(3, 16)
+    model.eval()
+    out = model(x)[0]
+    assert out.grad_fn is None and not out.requires_grad
+    assert_close(out, _reference(model).eval()(x)[0].detach(), "eval output")
+    model.train()
+    assert model(x)[0].grad_fn is not None
+    assert lazygrad.stats(model).exports == 2  # one graph per train/eval flag
+
+
+def test_no_grad_gives_plain_tensors():
+    model = LazyMLP()
+    with torch.no_grad():
+        outputs = model(torch.randn(2, 16))
+    assert all(o.grad_fn is None for o in outputs)
+
+
+def test_deepcopy_and_pickle_give_working_lazy_models_with_their_own_stats():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    for model in (LazyMLP(), lazygrad.lazy(ThreeHeadMLP())):
+        model(x)[0].sum().backward()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+        buffer.seek(0)
+        copies.append(torch.load(buffer, weights_only=False))
+        for clone in copies:
+            assert lazygrad.stats(clone).misses == 0
+            assert clone.state_dict().keys() == model.state_dict().keys()
+            _assert_same_training_step(clone, x)
+            assert lazygrad.stats(clone).misses == 1
+            assert clone.regress.weight is not model.regress.weight
+
+
+def test_optimizer_steps_are_seen_by_the_next_forward():
+    torch.manual_seed(0)
+    model = LazyMLP()
+    eager = _reference(model)
+    x = torch.randn(8, 16)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    for _ in range(3):
+        for m, opt in zip((model, eager), opts):
+            opt.zero_grad()
+            m(x)[1].square().mean().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_close(p.detach(), q.detach(), "parameter after 3 SGD steps")
+
+
+def test_tensor_hooks_and_module_hooks_fire_once_per_call():
+    model = LazyMLP()
+    seen = []
+    model.regress.weight.register_hook(lambda g: seen.append(("grad", g.shape)))
+    model.register_forward_hook(lambda mod, args, out: seen.append(("forward", len(out))))
+    model(torch.randn(2, 16))[0].sum().backward()
+    assert seen == [("forward", 3), ("grad", torch.Size([1, 32]))]
+
+
+def test_forward_hook_that_changes_the_output_is_applied_once():
+    model = LazyMLP()
+    eager = _reference(model)
+    for m in (model, eager):
+        m.register_forward_hook(lambda mod, args, out: tuple(o * 2 for o in out))
+    x = torch.randn(2, 16)
+    assert_close(model(x)[0].detach(), eager(x)[0].detach(), "hooked output")
+
+
+def test_making_a_module_lazy_twice_is_an_error():
+    model = lazygrad.lazy(ThreeHeadMLP())
+    with pytest.raises(TypeError, match="lazy already"):
+        lazygrad.lazy(model)
+    with pytest.raises(TypeError, match="lazy already"):
+        lazygrad.lazy(LazyMLP())
+
+
+def test_bad_options_and_targets_are_rejected_with_a_clear_message():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        lazygrad.lazy(ThreeHeadMLP(), policy="sometimes")
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        lazygrad.lazy(42)
+    with pytest.raises(TypeError, match="is not lazy"):
+        lazygrad.stats(ThreeHeadMLP())
