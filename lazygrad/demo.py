@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             timings[name] += time.perf_counter() - started
             losses.append(loss.item())
         if step % 6 == 0 or step == args.steps - 1:
-            print(f"step {step:3d}  {kind:<14} loss eager {losses[0]:.4f}  lazygrad {losses[1]:.4f}")
+            print(f"step {step:3d}  {kind:<14} loss eager {losses[0]:.4f}  lazy {losses[1]:.4f}")
     print(
         f"\ntime for {args.steps} steps: eager {timings['eager']:.2f} s, "
         f"lazygrad {timings['lazygrad']:.2f} s (includes export and graph builds)"
