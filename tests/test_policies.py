@@ -1,0 +1,91 @@
+"""Stash policies: same gradients under every policy, recompute on a surprise mask, Dropout exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close
+
+import lazygrad
+
+P = 0.3
+
+
+class DropoutNet(torch.nn.Module):
+    """Returns the Dropout output too, so a test can read the mask that the forward drew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.drop = torch.nn.Dropout(P)
+        self.second = torch.nn.Linear(16, 4)
+        self.side = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        dropped = self.drop(hidden)
+        return self.second(torch.tanh(dropped)), self.side(hidden), dropped, hidden
+
+
+def _reference_grads(model, x, keep, cotangent_out, cotangent_side):
+    """Eager gradients of the same function with the forward's Dropout mask fixed."""
+    params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
+    hidden = torch.nn.functional.linear(x, params["first.weight"], params["first.bias"])
+    dropped = hidden * keep / (1 - P)
+    out = torch.nn.functional.linear(torch.tanh(dropped), params["second.weight"],
+                                     params["second.bias"])
+    side = torch.nn.functional.linear(hidden, params["side.weight"], params["side.bias"])
+    loss = (out * cotangent_out).sum() + (side * cotangent_side).sum()
+    loss.backward()
+    return out.detach(), {n: p.grad for n, p in params.items()}
+
+
+@pytest.mark.parametrize("policy", ["predict", "all", "recompute"])
+def test_dropout_gradients_use_the_forward_mask_under_every_policy(policy):
+    torch.manual_seed(0)
+    model = lazygrad.lazy(DropoutNet(), policy=policy)
+    x = torch.randn(32, 8)
+    # First steps train only the side head: under "predict" the stash is planned for it, so the
+    # last step's mask (which needs the Dropout branch) is a surprise that recomputes.
+    for step in range(3):
+        out, side, dropped, hidden = model(x)
+        keep = (dropped != 0).float()
+        assert 0.5 < keep.mean().item() < 0.9  # Dropout really drew a mask
+        cot_out = torch.randn_like(out) if step == 2 else torch.zeros_like(out)
+        cot_side = torch.randn_like(side)
+        model.zero_grad(set_to_none=True)
+        loss = (side * cot_side).sum() + ((out * cot_out).sum() if step == 2 else 0)
+        loss.backward()
+        expected_out, expected = _reference_grads(model, x, keep, cot_out, cot_side)
+        assert_close(out.detach(), expected_out, "output")
+        for name, p in model.named_parameters():
+            if step < 2 and name.startswith("second"):
+                assert p.grad is None
+                continue
+            assert_close(p.grad, expected[name], f"step {step} grad of {name}")
+    stats = lazygrad.stats(model)
+    assert stats.recomputes == (1 if policy == "predict" else 0)
+
+
+def test_each_prediction_miss_recomputes_once():
+    torch.manual_seed(0)
+    model = lazygrad.lazy(DropoutNet())
+    x = torch.randn(4, 8)
+    masks = [(0, 1), (0, 1), (1, 0), (1, 0), (0, 1)]
+    for which in masks:
+        out, side, _, _ = model(x)
+        (out.sum() if which[0] else side.sum()).backward()
+    # a recompute happens exactly when the mask differs from the previous step's
+    assert lazygrad.stats(model).recomputes == 2
+
+
+def test_in_place_change_between_forward_and_backward_raises_pytorchs_error():
+    model = lazygrad.lazy(DropoutNet())
+    out, *_ = model(torch.randn(4, 8))
+    with torch.no_grad():
+        model.second.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    model.zero_grad()
+    model(torch.randn(4, 8))[0].sum().backward()  # still usable
+    assert model.second.weight.grad is not None
