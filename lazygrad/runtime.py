@@ -15,7 +15,7 @@ from typing import Any
 import onnx
 import torch
 
-from lazygrad import onnx_graph
+from lazygrad import disk_cache, onnx_graph
 from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_module, in_eager_mode
 from lazygrad.function import LazyFunction
 from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
@@ -63,6 +63,7 @@ class SignatureEntry:
     available: set[str]  # forward tensors a backward graph may read instead of recomputing
     random: tuple[str, ...]  # outputs of random ops: always stashed, never recomputed
     prediction: tuple[bool, ...]  # the mask the next backward is expected to have
+    fingerprint: str  # content hash of the forward graph: the on-disk cache key's root
     sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
 
 
@@ -99,6 +100,8 @@ class Runtime:
         self._signatures = GraphCache(self.options.cache_size, self._count_eviction)
         self._fallbacks: dict[Signature, str] = {}
         self._backward = GraphCache(self.options.cache_size, self._count_eviction)
+        directory = disk_cache.default_directory()
+        self._disk = disk_cache.DiskCache(directory) if directory else None
 
     def __getstate__(self) -> dict[str, Any]:
         # Sessions and graphs are rebuilt on demand; a copy starts with empty caches and stats.
@@ -244,6 +247,7 @@ class Runtime:
             available=available,
             random=tuple(sorted(random)),
             prediction=differentiable,
+            fingerprint=disk_cache.fingerprint(exported.model),
         )
         with self._lock:
             self.stats.exports += 1
@@ -273,11 +277,22 @@ class Runtime:
             if count:
                 self.stats.misses += 1
             outputs = [n for n, bit in zip(entry.exported.graph_outputs, mask) if bit]
-            graph = build_backward(
-                entry.exported.model, outputs, entry.trainable, entry.available, entry.types
+            disk_key = disk_cache.cache_key(
+                entry.fingerprint, outputs, entry.trainable, self.options.policy
             )
-            self.stats.builds += 1
-            built = BackwardEntry(graph, EntryStats(mask=mask, build_seconds=graph.build_seconds))
+            graph = self._disk.load(disk_key) if self._disk else None
+            from_disk = graph is not None
+            if graph is not None:
+                self.stats.disk_hits += 1
+            else:
+                graph = build_backward(
+                    entry.exported.model, outputs, entry.trainable, entry.available, entry.types
+                )
+                self.stats.builds += 1
+                if self._disk:
+                    self._disk.store(disk_key, graph)
+            stats = EntryStats(mask=mask, build_seconds=graph.build_seconds, from_disk=from_disk)
+            built = BackwardEntry(graph, stats)
             self._backward[key] = built
             return built
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,14 @@ def _bert() -> tuple[torch.nn.Module, tuple]:
 def _moe() -> tuple[torch.nn.Module, tuple]:
     torch.manual_seed(0)
     return MoELayer(hidden=16, experts=4), (torch.randn(3, 5, 16),)
+
+
+@pytest.fixture(autouse=True)
+def private_disk_cache(tmp_path, monkeypatch) -> Path:
+    """Each test gets its own on-disk graph cache, so counts of builds do not leak across tests."""
+    directory = tmp_path / "graph-cache"
+    monkeypatch.setenv("LAZYGRAD_CACHE_DIR", str(directory))
+    return directory
 
 
 @pytest.fixture(params=sorted(MODEL_CASES))
