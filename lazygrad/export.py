@@ -21,11 +21,19 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lazygrad.onnx_graph import with_optional_outputs
-from lazygrad.signature import FlatCall
+from lazygrad.signature import FlatCall, flatten
 
 OPSET = 17
 
+# Non-tensor output leaves returned as they were traced: values that cannot hide a tensor.
+PLAIN_OUTPUT_TYPES = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size
+)
+
 _eager = threading.local()
+# torch.onnx.export keeps its settings (opset, training mode, "exporting now") in module globals,
+# and warnings.catch_warnings swaps process-wide state: one export at a time, whatever the thread.
+_export_lock = threading.Lock()
 
 
 class ExportError(RuntimeError):
@@ -118,12 +126,24 @@ class _Traced(torch.nn.Module):
         state = {f"inner.{n}": t for n, t in zip(self.state_names, flat[:count])}
         args, kwargs = self.call.rebuild(list(flat[count:]))
         # torch.func.functional_call refuses to run under the tracer; its reparametrisation
-        # context is what it uses inside, and works there.
-        with eager_mode(), _reparametrize_module(self.original, state):
+        # context is what it uses inside, and works there. tie_weights, as functional_call does:
+        # a tied weight (an MLM decoder sharing the word embedding) is named once in `state`,
+        # and each of its aliases must read the same graph input, or the gradient through the
+        # unnamed alias is lost (the live parameter would be baked in as a constant).
+        with eager_mode(), _reparametrize_module(self.original, state, tie_weights=True):
             result = self.original(*args, **kwargs)
-        leaves, structure = pytree.tree_flatten(result)
+        leaves, structure = flatten(result)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        for leaf in constants.values():
+            if not isinstance(leaf, PLAIN_OUTPUT_TYPES):
+                # It may hold tensors the graph cannot return (a cache object, say): returned as
+                # a constant, they would be the trace's tensors, detached from the call.
+                raise ExportError(
+                    f"the forward returns a {type(leaf).__name__}, which is neither a tensor, a "
+                    "plain value nor a pytree container (tuple, list, dict, dataclass, or a type "
+                    "registered with torch.utils._pytree)"
+                )
         self.template = OutputTemplate(structure, constants, positions)
         return _distinct_outputs([leaves[i] for i in positions], flat)
 
@@ -163,7 +183,7 @@ def export_module(
     buffer = io.BytesIO()
     tracer_messages: list[str] = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with _export_lock, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.onnx.export(
                 traced,

@@ -21,7 +21,13 @@ from lazygrad.function import LazyFunction
 from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
 from lazygrad.graph_cache import GraphCache
 from lazygrad.session import GraphRunError, GraphSession
-from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
+from lazygrad.signature import (
+    FlatCall,
+    Signature,
+    explain_bad_input,
+    flatten_call,
+    signature_of,
+)
 from lazygrad.stats import EntryStats, Stats
 
 POLICIES = ("predict", "all", "recompute")
@@ -203,8 +209,19 @@ class Runtime:
             return self.forward_fn(self.module, *args, **kwargs)
 
     def _fall_back(self, signature: Signature, args: tuple, kwargs: dict, error: Exception) -> Any:
-        """Run eagerly; if eager fails too the input is bad, and eager's error is the one raised."""
-        result = self._eager(args, kwargs)
+        """Run eagerly; if eager fails too the input is bad, and eager's error is the one raised
+        (with the culprit input and its expected dtype/device/rank in front where they differ
+        from the exported signature: `signature.explain_bad_input`)."""
+        try:
+            result = self._eager(args, kwargs)
+        except Exception as eager_error:
+            with self._lock:
+                known = list(self._signatures.keys())
+            explained = explain_bad_input(eager_error, flatten_call(args, kwargs), self.forward_fn,
+                                          known, _module_state(self.module))
+            if explained is None:
+                raise
+            raise explained from eager_error
         reason = f"{type(self.module).__name__}: {error}"
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}") from error
@@ -436,7 +453,7 @@ def _device_key(device: torch.device) -> Hashable:
 
 def _with_extra_outputs(entry: SignatureEntry, extra: tuple[str, ...]) -> onnx.ModelProto:
     """The forward graph, also returning the stashed tensors `extra` it does not return yet."""
-    model = entry.exported.model
+    model = onnx_graph.without_optional_outputs(entry.exported.model, set(extra))
     returned = set(entry.exported.graph_outputs)
     outputs = list(model.graph.output) + [
         onnx_graph.value_info(name, entry.types[name]) for name in extra if name not in returned
