@@ -1,0 +1,65 @@
+"""One exported graph and one backward graph per mask serve every batch size and sequence length."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import assert_close, compose_loss, lazy_copy, reference_vjp
+
+import lazygrad
+from lazygrad.models import BertConfig, BertPretraining, MoELayer, bert_batch
+
+SHAPES = [(2, 8), (3, 12), (1, 5), (4, 20), (2, 33)]  # (batch, sequence length)
+
+
+def test_five_sequence_lengths_and_batch_sizes_build_once_per_mask():
+    torch.manual_seed(0)
+    config = BertConfig(vocab=200, hidden=32, layers=2, heads=4, max_positions=64)
+    model = BertPretraining(config)
+    lazy = lazy_copy(model)
+    masks = [(True, False, False), (True, True, False)]
+    for step, (batch, seq) in enumerate(SHAPES):
+        inputs = bert_batch(config, batch=batch, seq=seq, seed=step)
+        for mask in masks:
+            outputs = lazy(*inputs)
+            assert outputs[1].shape == (batch, seq, config.vocab)
+            cotangents = [torch.randn_like(o) for o in outputs]
+            expected_outputs, expected_grads, _ = reference_vjp(model, inputs, mask, cotangents)
+            for index, (got, want) in enumerate(zip(outputs, expected_outputs)):
+                assert_close(got.detach(), want, f"{(batch, seq)} output {index}")
+            lazy.zero_grad(set_to_none=True)
+            compose_loss(outputs, mask, cotangents).backward()
+            for name, param in lazy.named_parameters():
+                assert_close(param.grad, expected_grads[name], f"{(batch, seq)} {mask} {name}")
+    stats = lazygrad.stats(lazy)
+    assert stats.exports == 1
+    assert stats.fallbacks == 0
+    assert stats.misses == len(masks)  # one build per mask, then hits for every other shape
+    assert stats.hits == len(SHAPES) * len(masks) - len(masks)
+    built = [entry.mask for entry in stats.entries]
+    assert len(built) == len(set(built)), "a mask was built twice"
+    assert set(masks) <= set(built)
+
+
+def test_rank_change_is_a_new_signature_size_change_is_not():
+    torch.manual_seed(1)
+    model = MoELayer(hidden=8, experts=3)
+    lazy = lazy_copy(model)
+    eager = copy.deepcopy(model)
+    for shape in [(2, 5, 8), (3, 7, 8), (4, 8), (9, 8)]:
+        x = torch.randn(shape)
+        lazy.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        out, aux = lazy(x)
+        out_eager, aux_eager = eager(x)
+        assert_close(out.detach(), out_eager.detach(), f"{shape} out")
+        assert_close(aux.detach(), aux_eager.detach(), f"{shape} aux")
+        (out.sum() + 0.1 * aux).backward()
+        (out_eager.sum() + 0.1 * aux_eager).backward()
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"{shape} {name}")
+    stats = lazygrad.stats(lazy)
+    assert stats.exports == 2  # rank 3, then rank 2
+    # The (out, aux) mask is the all-outputs graph each new signature plans its stash with.
+    assert stats.builds == 2 and stats.misses == 0 and stats.hits == 4

@@ -1,0 +1,143 @@
+"""Nested inputs and outputs (tuples, lists, dicts, dataclasses, kwargs, None, Python scalars)
+come back in the same structure; grad masks are over the flattened tensor outputs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from conftest import all_masks, assert_close
+
+import lazygrad
+
+
+@dataclasses.dataclass
+class Batch:
+    features: torch.Tensor
+    scale: float
+    tag: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    value: torch.Tensor
+    extras: dict
+    label: str = "prediction"
+
+
+class NestedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, batch: Batch, pair: tuple, *, offset: float = 0.0, unused=None) -> dict:
+        hidden = torch.tanh(self.encode(batch.features) * batch.scale + offset)
+        context = pair[0] @ pair[1]["weight"]
+        return {
+            "logits": self.head(hidden),
+            "list": [hidden.sum(-1), None, 3, (context,)],
+            "prediction": Prediction(hidden.mean(), extras={"steps": 2, "ctx": context.exp()}),
+        }
+
+
+def _inputs(seed: int) -> tuple:
+    generator = torch.Generator().manual_seed(seed)
+    batch = Batch(torch.randn(5, 4, generator=generator), scale=2.0)
+    left = torch.randn(3, 6, generator=generator, requires_grad=True)
+    pair = (left, {"weight": torch.randn(6, 2, generator=generator)})
+    return batch, pair
+
+
+def _tensor_leaves(tree) -> list[torch.Tensor]:
+    leaves, _ = lazygrad.signature.flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def test_nested_structure_comes_back_with_scalars_none_and_dataclasses():
+    torch.manual_seed(0)
+    model = NestedModel()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    batch, pair = _inputs(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        out = lazy(batch, pair, offset=0.5, unused=None)
+    expected = model(batch, pair, offset=0.5, unused=None)
+    assert set(out) == {"logits", "list", "prediction"}
+    assert out["list"][1] is None and out["list"][2] == 3
+    assert isinstance(out["list"][3], tuple)
+    assert isinstance(out["prediction"], Prediction)
+    assert out["prediction"].label == "prediction" and out["prediction"].extras["steps"] == 2
+    got, want = _tensor_leaves(out), _tensor_leaves(expected)
+    assert len(got) == len(want) == 5
+    for index, (g, w) in enumerate(zip(got, want)):
+        assert g.grad_fn is not None, f"output {index} is not connected to autograd"
+        assert_close(g.detach(), w.detach(), f"output {index}")
+    assert lazygrad.stats(lazy).exports == 1
+
+
+@pytest.mark.parametrize("mask", [m for m in all_masks(5) if sum(m) in (1, 2, 5)])
+def test_every_mask_over_flattened_outputs_matches_eager(mask):
+    torch.manual_seed(0)
+    model = NestedModel()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    batch, pair = _inputs(1)
+    eager_pair = (pair[0].detach().clone().requires_grad_(), pair[1])
+    got = _tensor_leaves(lazy(batch, pair, offset=0.5))
+    want = _tensor_leaves(model(batch, eager_pair, offset=0.5))
+    cotangents = [torch.randn_like(t) for t in want]
+    for outputs in (got, want):
+        sum((o * c).sum() for o, c, bit in zip(outputs, cotangents, mask) if bit).backward()
+    for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, name)
+    assert (pair[0].grad is None) == (eager_pair[0].grad is None)
+    if eager_pair[0].grad is not None:
+        assert_close(pair[0].grad, eager_pair[0].grad, "grad of pair[0]")
+
+
+def test_keyword_order_does_not_change_the_signature_but_a_scalar_value_does():
+    torch.manual_seed(0)
+    model = NestedModel()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    batch, pair = _inputs(2)
+    first = lazy(batch, pair, offset=0.5, unused=None)
+    second = lazy(batch, pair, unused=None, offset=0.5)
+    assert lazygrad.stats(lazy).exports == 1
+    assert_close(second["logits"].detach(), first["logits"].detach(), "same call")
+    third = lazy(batch, pair, unused=None, offset=1.5)  # scalars are baked in: a new graph
+    assert lazygrad.stats(lazy).exports == 2
+    assert_close(third["logits"].detach(), model(batch, pair, offset=1.5)["logits"], "offset 1.5")
+
+
+def test_an_output_object_that_is_not_a_pytree_falls_back_to_eager_with_one_warning():
+    class Opaque:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+    class ReturnsOpaque(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.linear(x), Opaque(self.linear(x).sum())
+
+    torch.manual_seed(0)
+    model = ReturnsOpaque()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    x = torch.randn(2, 3)
+    with pytest.warns(lazygrad.FallbackWarning, match="Opaque"):
+        out, opaque = lazy(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        out, opaque = lazy(x)  # the fallback is remembered: no second warning
+    opaque.tensor.backward()  # eager: the object's tensor is connected to the parameters
+    model(x)[1].tensor.backward()
+    for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+        assert_close(p.grad, q.grad, name)
+    assert lazygrad.stats(lazy).fallbacks == 1
