@@ -1,0 +1,223 @@
+"""Bad input gives a clear error naming the input (expected vs actual), and the model still works.
+
+Errors are raised only where eager PyTorch fails too: a new dtype, device or rank that eager
+accepts is a new signature (a new export), not an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import assert_close
+
+import lazygrad
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, hidden = x.shape
+        h = torch.tanh(self.proj(x)) * mask.unsqueeze(-1)
+        return self.out(h).sum(1), h.mean()
+
+
+def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = Tagger()
+    return lazygrad.lazy(copy.deepcopy(model)), model
+
+
+def _inputs(batch: int = 2, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch * 100 + seq)
+    return torch.randn(batch, seq, 8, generator=generator), torch.ones(batch, seq)
+
+
+def _assert_still_trains_like_eager(lazy: torch.nn.Module, eager: torch.nn.Module) -> None:
+    x, mask = _inputs(3, 4)
+    for model in (lazy, eager):
+        model.zero_grad(set_to_none=True)
+    out, aux = lazy(x, mask)
+    out_eager, aux_eager = eager(x, mask)
+    assert_close(out.detach(), out_eager.detach(), "output after the error")
+    (out.sum() + aux).backward()
+    (out_eager.sum() + aux_eager).backward()
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name} after the error")
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+
+
+def test_wrong_dtype_names_the_argument_and_the_exported_dtype():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    lazy(x, mask)
+    expected = re.escape(
+        "lazygrad: argument 0 ('x'): expected dtype torch.float32 (as exported), got torch.float64"
+    )
+    with pytest.raises(RuntimeError, match=expected) as caught:
+        lazy(x.double(), mask)
+    assert "Eager PyTorch fails too" in str(caught.value)
+    assert caught.value.__cause__ is not None  # eager's own error is chained
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_wrong_dtype_of_a_keyword_argument_on_the_first_call():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    expected = re.escape(
+        "argument 0 ('x'): expected dtype torch.float32 (the module's parameters), "
+        "got torch.float16"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        lazy(x.half(), mask=mask)
+    lazy(x, mask=mask)
+    with pytest.raises(RuntimeError, match=re.escape("argument 'mask': expected dtype")):
+        lazy(x, mask=mask.to(torch.complex64))
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_wrong_device_names_the_argument_and_both_devices():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    lazy(x, mask)
+    expected = re.escape("argument 1 ('mask'): expected device cpu (as exported), got meta")
+    with pytest.raises(RuntimeError, match=expected):
+        lazy(x, mask.to("meta"))
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_wrong_rank_keeps_eagers_exception_type_and_names_the_rank():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    lazy(x, mask)
+    expected = re.escape("argument 0 ('x'): expected rank 3 (as exported), got 2")
+    with pytest.raises(ValueError, match=expected):
+        lazy(x[0], mask)
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_wrong_size_of_the_same_rank_raises_eagers_error():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    lazy(x, mask)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        lazy(torch.randn(2, 5, 7), mask)  # same signature: ORT refuses, then eager does
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_missing_and_extra_arguments_raise_pythons_type_error():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'mask'"):
+        lazy(x)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bias'"):
+        lazy(x, mask, bias=x)
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_backward_twice_without_retain_graph_is_pytorchs_error():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    out, _ = lazy(x, mask)
+    loss = out.sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+def test_backward_twice_with_retain_graph_accumulates_like_eager():
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    for model in (lazy, eager):
+        out, aux = model(x, mask)
+        loss = out.sum() + aux
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, name)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_create_graph_is_a_clear_not_implemented_error(how):
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    out, _ = lazy(x, mask)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        if how == "backward":
+            out.sum().backward(create_graph=True)
+        else:
+            torch.autograd.grad(out.sum(), [lazy.proj.weight], create_graph=True)
+    _assert_still_trains_like_eager(lazy, eager)
+
+
+@pytest.mark.parametrize(
+    ("op", "stage"),
+    [
+        (lambda h: torch.cummax(h, -1)[0], "torch.onnx.export failed"),  # no ONNX symbolic
+        (torch.atan, "cannot build the gradient"),  # exports, but ORT has no gradient for Atan
+    ],
+    ids=["unexportable", "not-differentiable-in-ort"],
+)
+def test_unsupported_op_falls_back_with_one_warning_and_eager_gradients(op, stage):
+    class Unsupported(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return op(self.linear(x)).sum(), self.linear.weight.sum()
+
+    torch.manual_seed(0)
+    model = Unsupported()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seq in (3, 3, 5):
+            x = torch.randn(seq, 4)
+            lazy.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            out, _ = lazy(x)
+            out_eager, _ = model(x)
+            assert_close(out.detach(), out_eager.detach(), "output")
+            out.backward()
+            out_eager.backward()
+            for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+                assert_close(p.grad, q.grad, name)
+    fallbacks = [w for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
+    assert stage in str(fallbacks[0].message) and "Unsupported" in str(fallbacks[0].message)
+    assert lazygrad.stats(lazy).fallbacks == 1
+
+
+def test_nan_and_inf_in_inputs_propagate_as_in_eager():
+    lazy, eager = _pair()
+    x, mask = _inputs(3, 4)
+    lazy(x, mask)  # export with finite values: NaN must not depend on what was traced
+    x = x.clone()
+    x[0, 1, 2] = float("nan")
+    x[1, 0, 0] = float("inf")
+    x[2, 3, 5] = float("-inf")
+    for model in (lazy, eager):
+        model.zero_grad(set_to_none=True)
+    out, aux = lazy(x, mask)
+    out_eager, aux_eager = eager(x, mask)
+    torch.testing.assert_close(out.detach(), out_eager.detach(), equal_nan=True)
+    torch.testing.assert_close(aux.detach(), aux_eager.detach(), equal_nan=True)
+    assert out.isnan().any() and aux.isnan()
+    (out.sum() + aux).backward()
+    (out_eager.sum() + aux_eager).backward()
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad.isnan(), q.grad.isnan()), name
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=1e-5, atol=1e-6)
+    _assert_still_trains_like_eager(lazy, eager)
