@@ -115,6 +115,28 @@ def with_optional_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def without_optional_outputs(model: onnx.ModelProto, keep: set[str]) -> onnx.ModelProto:
+    """Copy of `model` without the optional outputs added for the gradient builder, except `keep`.
+
+    A forward run that computes SoftmaxCrossEntropyLoss's log_prob when no backward reads it
+    pays a vocabulary-sized tensor for nothing.
+    """
+    model = _copy(model)
+    consumed = consumed_names(model.graph.node) | {out.name for out in model.graph.output}
+    for node in model.graph.node:
+        if node.op_type not in OPTIONAL_OUTPUTS_FOR_GRADIENT or node.op_type in RANDOM_OPS:
+            continue
+        outputs = list(node.output)
+        for index in range(1, len(outputs)):
+            if outputs[index] not in keep and outputs[index] not in consumed:
+                outputs[index] = ""
+        while len(outputs) > 1 and not outputs[-1]:
+            outputs.pop()
+        del node.output[:]
+        node.output.extend(outputs)
+    return model
+
+
 def random_outputs(nodes: Iterable[onnx.NodeProto]) -> set[str]:
     return {out for node in nodes if node.op_type in RANDOM_OPS for out in node.output if out}
 

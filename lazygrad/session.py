@@ -40,6 +40,10 @@ class GraphSession:
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
         options.graph_optimization_level = level
+        # Outputs and stashed tensors leave ORT and live in torch until backward; an arena would
+        # keep their peak reserved for the whole process, and memory saved by a smaller stash
+        # would never be given back.
+        options.enable_cpu_mem_arena = False
         return onnxruntime.InferenceSession(
             self._model_bytes,
             options,
