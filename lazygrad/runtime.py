@@ -143,16 +143,20 @@ class Runtime:
         if in_eager_mode():
             return self.forward_fn(self.module, *args, **kwargs)
         call = flatten_call(args, kwargs)
-        state = _module_state(self.module)
-        signature = signature_of(call, state, tuple(m.training for m in self.module.modules()))
+        # The state is read under the lock because an export (in another thread) swaps the
+        # module's parameters for trace tensors while it runs; exporting under the lock also
+        # makes two threads that meet a new signature export it once.
         with self._lock:
+            state = _module_state(self.module)
+            signature = signature_of(call, state, tuple(m.training for m in self.module.modules()))
             reason = self._fallbacks.get(signature)
             entry = None if reason else self._signatures.get(signature)
         if reason is not None:
             return self._eager(args, kwargs)
         if entry is None:
             try:
-                entry = self._prepare(signature, call, state)
+                with self._lock:
+                    entry = self._signatures.get(signature) or self._prepare(signature, call, state)
             except (ExportError, GradientError) as error:
                 return self._fall_back(signature, args, kwargs, error)
         if entry.exported.static_shapes:
@@ -168,7 +172,8 @@ class Runtime:
             entry = self._signatures.get(shaped)
         if entry is None:
             try:
-                entry = self._prepare(shaped, call, state)
+                with self._lock:
+                    entry = self._signatures.get(shaped) or self._prepare(shaped, call, state)
             except (ExportError, GradientError) as error:
                 return self._fall_back(shaped, args, kwargs, error)
         return self._run(entry, shaped, call, state, args, kwargs)
