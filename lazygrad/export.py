@@ -23,7 +23,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from lazygrad.onnx_graph import with_optional_outputs
 from lazygrad.signature import FlatCall, flatten
 
-OPSET = 17
+# 20: GELU exports as one Gelu op (ORT's gradient builder knows it), so the backward reads its
+# input alone instead of the five intermediates of the Erf decomposition that opset 17 emits.
+OPSET = 20
 
 # Non-tensor output leaves returned as they were traced: values that cannot hide a tensor.
 PLAIN_OUTPUT_TYPES = (
