@@ -1,0 +1,76 @@
+"""Outputs that cannot carry a gradient are plain tensors; strict mode refuses to fall back."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import assert_close
+
+import lazygrad
+
+
+class MixedOutputs(torch.nn.Module):
+    """A float head, an integer prediction, a boolean flag and a float computed from no weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        logits = self.head(x)
+        return logits, logits.argmax(-1), logits.sum(-1) > 0, labels.float().mean() * 2
+
+
+def test_integer_boolean_and_weightless_outputs_are_non_differentiable():
+    torch.manual_seed(0)
+    model = MixedOutputs()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    x, labels = torch.randn(4, 6), torch.tensor([0, 1, 2, 1])
+    logits, predicted, flag, label_mean = lazy(x, labels)
+    expected = model(x, labels)
+    assert logits.requires_grad
+    assert not predicted.requires_grad and predicted.dtype == torch.int64
+    assert not flag.requires_grad and flag.dtype == torch.bool
+    assert not label_mean.requires_grad
+    assert torch.equal(predicted, expected[1]) and torch.equal(flag, expected[2])
+    assert_close(label_mean, expected[3], "weightless output")
+    logits.square().sum().backward()
+    expected[0].square().sum().backward()
+    assert_close(lazy.head.weight.grad, model.head.weight.grad, "head weight grad")
+
+
+class NoGradient(torch.nn.Module):
+    """ORT has no gradient for ReduceMax: export works, differentiation does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).amax(-1)
+
+
+def test_strict_mode_raises_instead_of_falling_back():
+    model = lazygrad.lazy(NoGradient(), strict=True)
+    with pytest.raises(lazygrad.LazygradError, match="ReduceMax"):
+        model(torch.randn(2, 4))
+    assert lazygrad.stats(model).fallbacks == 0
+
+
+def test_fallback_trains_in_eager_and_is_counted_once():
+    torch.manual_seed(0)
+    plain = NoGradient()
+    model = lazygrad.lazy(copy.deepcopy(plain))
+    x = torch.randn(3, 4)
+    with pytest.warns(lazygrad.FallbackWarning, match="ReduceMax"):
+        model(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the signature stays in eager
+        model(x).sum().backward()
+    plain(x).sum().backward()
+    plain(x).sum().backward()
+    assert_close(model.linear.weight.grad, plain.linear.weight.grad, "eager fallback grad")
+    assert lazygrad.stats(model).fallbacks == 1
