@@ -271,13 +271,17 @@ class Runtime:
             prediction=differentiable,
             fingerprint=disk_cache.fingerprint(exported.model),
         )
+        # A trace that baked sizes in serves these sizes only: it is filed under them, and the
+        # size-free key marks the signature as one that needs sizes (see `_call_static`).
+        key = signature.with_shapes(call.tensors) if exported.static_shapes else signature
         with self._lock:
             self.stats.exports += 1
             if trainable and any(differentiable):
                 # Builds the graph of the all-outputs mask: it plans the first step's stash and
                 # proves the signature differentiable before anything runs through ORT.
-                self._backward_entry(signature, entry, differentiable, count=False)
-            self._signatures[signature] = entry
+                self._backward_entry(key, entry, differentiable, count=False)
+            self._signatures[key] = entry
+            self._signatures.setdefault(signature, entry)
         return entry
 
     def _backward_entry(

@@ -38,7 +38,9 @@ class GraphSession:
 
     def _create(self, level: onnxruntime.GraphOptimizationLevel) -> onnxruntime.InferenceSession:
         options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
+        # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
+        # back as exceptions that the runtime explains; printed as well, they would mislead.
+        options.log_severity_level = 4
         options.graph_optimization_level = level
         # Outputs and stashed tensors leave ORT and live in torch until backward; an arena would
         # keep their peak reserved for the whole process, and memory saved by a smaller stash

@@ -63,3 +63,31 @@ def test_rank_change_is_a_new_signature_size_change_is_not():
     assert stats.exports == 2  # rank 3, then rank 2
     # The (out, aux) mask is the all-outputs graph each new signature plans its stash with.
     assert stats.builds == 2 and stats.misses == 0 and stats.hits == 4
+
+
+class BakedSize(torch.nn.Module):
+    """`torch.tensor(x.shape[0])` is a constant of the trace: the graph holds for one size only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x) * torch.tensor(x.shape[0], dtype=torch.float32)
+
+
+def test_a_trace_that_bakes_sizes_in_is_exported_once_per_size_and_stays_exact():
+    torch.manual_seed(0)
+    eager = BakedSize()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for batch in (2, 3, 2):
+        x = torch.randn(batch, 4)
+        for m in (lazy, eager):
+            m.zero_grad(set_to_none=True)
+        out, expected = lazy(x), eager(x)
+        assert_close(out.detach(), expected.detach(), f"output at batch {batch}")
+        out.sum().backward()
+        expected.sum().backward()
+        assert_close(lazy.linear.weight.grad, eager.linear.weight.grad, f"grad at batch {batch}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.exports, stats.fallbacks) == (2, 0)

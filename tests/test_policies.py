@@ -1,4 +1,4 @@
-"""Stash policies: same gradients under every policy, recompute on a surprise mask, Dropout exact."""
+"""Stash policies: same gradients under each policy, recompute on a surprise, Dropout exact."""
 
 from __future__ import annotations
 
