@@ -92,7 +92,8 @@ def run_all(quick: bool) -> list[dict]:
 def table(results: list[dict]) -> str:
     by_name = {r["config"]: r for r in results}
     rows = [
-        "| configuration | peak RSS MiB | added by the step MiB | vs eager (step) | vs all (step) |",
+        "| configuration | peak RSS MiB | added by the step MiB | vs eager (step) "
+        "| vs all (step) |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results:

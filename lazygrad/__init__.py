@@ -1,7 +1,8 @@
 """lazygrad: PyTorch training through ONNX Runtime with a backward built lazily per grad mask."""
 
 from lazygrad.api import clear_cache, lazy, reset_stats, stats
-from lazygrad.runtime import FallbackWarning, LazygradError, Options
+from lazygrad.errors import FallbackWarning, LazygradError
+from lazygrad.options import Options
 from lazygrad.session import GraphRunError
 from lazygrad.stats import EntryStats, Stats
 

@@ -9,7 +9,8 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from lazygrad.runtime import ORIGINAL_FORWARD, Options, Runtime
+from lazygrad.options import Options
+from lazygrad.runtime import ORIGINAL_FORWARD, Runtime
 from lazygrad.stats import Stats
 
 RUNTIME = "_lazygrad_runtime"

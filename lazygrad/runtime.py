@@ -15,47 +15,17 @@ from typing import Any
 import onnx
 import torch
 
-from lazygrad import disk_cache, onnx_graph
+from lazygrad import disk_cache, onnx_graph, stash
+from lazygrad.errors import FallbackWarning, LazygradError, explain_bad_input
 from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_module, in_eager_mode
 from lazygrad.function import LazyFunction
 from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
 from lazygrad.graph_cache import GraphCache
+from lazygrad.options import Options
 from lazygrad.session import GraphRunError, GraphSession
-from lazygrad.signature import (
-    FlatCall,
-    Signature,
-    explain_bad_input,
-    flatten_call,
-    signature_of,
-)
+from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
 from lazygrad.stats import EntryStats, Stats
-
-POLICIES = ("predict", "all", "recompute")
-
-
-class LazygradError(RuntimeError):
-    """Raised in strict mode where the runtime would otherwise fall back to eager PyTorch."""
-
-
-class FallbackWarning(UserWarning):
-    """A signature of a lazy module runs in eager PyTorch (the reason is in the message)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """How a lazy module runs; given once, to `lazygrad.lazy`."""
-
-    policy: str = "predict"
-    cache_size: int = 64
-    strict: bool = False
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
-        if not isinstance(self.cache_size, int) or self.cache_size < 1:
-            raise ValueError(
-                f"lazygrad: cache_size must be a positive int, got {self.cache_size!r}"
-            )
+from lazygrad.step import Step
 
 
 @dataclasses.dataclass
@@ -194,7 +164,9 @@ class Runtime:
                 step = Step(self, signature, entry, device)
                 outputs = LazyFunction.apply(step, *inputs)
             else:
-                session = self._forward_session(entry, (), device)
+                session = self.session(
+                    entry.sessions, ("forward", ()), lambda: stash.forward_graph(entry, ()), device
+                )
                 outputs = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
         except GraphRunError as error:
             return self._fall_back(signature, args, kwargs, error)
@@ -255,18 +227,13 @@ class Runtime:
         ]
         differentiable_names = set(differentiable_outputs(exported.model, trainable, types))
         differentiable = tuple(name in differentiable_names for name in exported.graph_outputs)
-        nodes = list(exported.model.graph.node)
-        random = onnx_graph.random_outputs(nodes)
-        if self.options.policy == "recompute":
-            available = set(exported.graph_inputs) | random
-        else:
-            available = onnx_graph.produced_names(nodes) | set(exported.graph_inputs)
+        random = onnx_graph.random_outputs(exported.model.graph.node)
         entry = SignatureEntry(
             exported=exported,
             types=types,
             trainable=trainable,
             differentiable=differentiable,
-            available=available,
+            available=stash.readable_by_backward(self.options.policy, exported, random),
             random=tuple(sorted(random)),
             prediction=differentiable,
             fingerprint=disk_cache.fingerprint(exported.model),
@@ -279,12 +246,12 @@ class Runtime:
             if trainable and any(differentiable):
                 # Builds the graph of the all-outputs mask: it plans the first step's stash and
                 # proves the signature differentiable before anything runs through ORT.
-                self._backward_entry(key, entry, differentiable, count=False)
+                self.backward_entry(key, entry, differentiable, count=False)
             self._signatures[key] = entry
             self._signatures.setdefault(signature, entry)
         return entry
 
-    def _backward_entry(
+    def backward_entry(
         self,
         signature: Signature,
         entry: SignatureEntry,
@@ -322,109 +289,33 @@ class Runtime:
             self._backward[key] = built
             return built
 
-    def _forward_session(
-        self, entry: SignatureEntry, stash: tuple[str, ...], device: torch.device
-    ) -> GraphSession:
-        key = ("forward", stash, _device_key(device))
-        with self._lock:
-            session = entry.sessions.get(key)
-            if session is None:
-                session = GraphSession(_with_extra_outputs(entry, stash), device)
-                entry.sessions[key] = session
-            return session
-
-    def _recompute_session(
+    def session(
         self,
-        entry: SignatureEntry,
-        have: tuple[str, ...],
-        missing: tuple[str, ...],
+        sessions: dict[Hashable, GraphSession],
+        key: Hashable,
+        model: Callable[[], onnx.ModelProto],
         device: torch.device,
     ) -> GraphSession:
-        key = ("recompute", have, missing, _device_key(device))
+        """The session for `key` on `device` in `sessions`, made from `model()` the first time."""
+        key = (key, _device_key(device))
         with self._lock:
-            session = entry.sessions.get(key)
-            if session is None:
-                session = GraphSession(_recompute_model(entry, set(have), missing), device)
-                entry.sessions[key] = session
-            return session
+            found = sessions.get(key)
+            if found is None:
+                found = sessions[key] = GraphSession(model(), device)
+            return found
 
-    def _backward_session(self, backward: BackwardEntry, device: torch.device) -> GraphSession:
-        key = _device_key(device)
+    def count_recompute(self) -> None:
         with self._lock:
-            session = backward.sessions.get(key)
-            if session is None:
-                session = GraphSession(backward.graph.model, device)
-                backward.sessions[key] = session
-            return session
+            self.stats.recomputes += 1
 
     def plan_stash(self, signature: Signature, entry: SignatureEntry) -> tuple[str, ...]:
         """Forward tensors (intermediates and outputs) to keep for the expected backward."""
         if self.options.policy == "recompute":
             return entry.random
         mask = entry.differentiable if self.options.policy == "all" else entry.prediction
-        graph = self._backward_entry(signature, entry, mask, count=False).graph
+        graph = self.backward_entry(signature, entry, mask, count=False).graph
         inputs = set(entry.exported.graph_inputs)
         return tuple(sorted({n for n in graph.reads if n not in inputs} | set(entry.random)))
-
-
-class Step:
-    """One call of a lazy module that records autograd: its forward, then maybe its backward."""
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        signature: Signature,
-        entry: SignatureEntry,
-        device: torch.device,
-    ) -> None:
-        self.runtime = runtime
-        self.signature = signature
-        self.entry = entry
-        self.device = device
-        self.differentiable = entry.differentiable
-        self.stash: tuple[str, ...] = ()
-
-    def forward(
-        self, inputs: tuple[torch.Tensor, ...]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        runtime, entry = self.runtime, self.entry
-        self.stash = runtime.plan_stash(self.signature, entry)
-        session = runtime._forward_session(entry, self.stash, self.device)
-        results = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
-        produced = dict(zip(session.output_names, results))
-        outputs = results[: len(entry.exported.graph_outputs)]
-        return outputs, [*inputs, *(produced[name] for name in self.stash)]
-
-    def backward(
-        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
-    ) -> list[torch.Tensor | None]:
-        runtime, entry = self.runtime, self.entry
-        names = entry.exported.graph_inputs
-        mask = tuple(g is not None for g in grads)
-        if not any(mask):
-            return [None] * len(names)
-        backward = runtime._backward_entry(self.signature, entry, mask, count=True)
-        entry.prediction = mask
-        values = dict(zip([*names, *self.stash], saved))
-        missing = tuple(name for name in backward.graph.reads if name not in values)
-        if missing:
-            values.update(self._recompute(values, missing))
-        feeds = {name: values[name] for name in backward.graph.reads}
-        outputs = entry.exported.graph_outputs
-        for grad_name, output in zip(backward.graph.grad_input_names, backward.graph.grad_of):
-            feeds[grad_name] = grads[outputs.index(output)]
-        session = runtime._backward_session(backward, self.device)
-        results = dict(zip(backward.graph.grads_for, session.run(feeds)))
-        return [results.get(name) for name in names]
-
-    def _recompute(
-        self, values: dict[str, torch.Tensor], missing: tuple[str, ...]
-    ) -> dict[str, torch.Tensor]:
-        """The prediction missed: rebuild the intermediates this mask needs from saved inputs."""
-        session = self.runtime._recompute_session(self.entry, self.stash, missing, self.device)
-        with self.runtime._lock:
-            self.runtime.stats.recomputes += 1
-        return dict(zip(missing, session.run({n: values[n] for n in session.input_names})))
 
 
 def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -458,35 +349,3 @@ def _device_key(device: torch.device) -> Hashable:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
     return (device.type, device.index)
-
-
-def _with_extra_outputs(entry: SignatureEntry, extra: tuple[str, ...]) -> onnx.ModelProto:
-    """The forward graph, also returning the stashed tensors `extra` it does not return yet."""
-    model = onnx_graph.without_optional_outputs(entry.exported.model, set(extra))
-    returned = set(entry.exported.graph_outputs)
-    outputs = list(model.graph.output) + [
-        onnx_graph.value_info(name, entry.types[name]) for name in extra if name not in returned
-    ]
-    return onnx_graph.make_model(
-        model, list(model.graph.node), list(model.graph.input), outputs,
-        list(model.graph.initializer), "lazygrad_forward",
-    )
-
-
-def _recompute_model(
-    entry: SignatureEntry, stash: set[str], missing: tuple[str, ...]
-) -> onnx.ModelProto:
-    """Forward nodes that make `missing` from the graph inputs and the stashed tensors."""
-    model = entry.exported.model
-    have = set(entry.exported.graph_inputs) | stash
-    nodes = onnx_graph.slice_nodes(list(model.graph.node), missing, have)
-    reads = sorted((onnx_graph.consumed_names(nodes) - onnx_graph.produced_names(nodes)) & have)
-    return onnx_graph.make_model(
-        model,
-        nodes,
-        [onnx_graph.value_info(name, entry.types[name]) for name in reads],
-        [onnx_graph.value_info(name, entry.types[name]) for name in missing],
-        [init for init in model.graph.initializer],
-        "lazygrad_recompute",
-    )
-

@@ -1,0 +1,24 @@
+"""How a lazy module runs: the options given once, to `lazygrad.lazy`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+POLICIES = ("predict", "all", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a lazy module runs; given once, to `lazygrad.lazy`."""
+
+    policy: str = "predict"
+    cache_size: int = 64
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 1:
+            raise ValueError(
+                f"lazygrad: cache_size must be a positive int, got {self.cache_size!r}"
+            )
