@@ -114,39 +114,31 @@ class Runtime:
             return self.forward_fn(self.module, *args, **kwargs)
         call = flatten_call(args, kwargs)
         # The state is read under the lock because an export (in another thread) swaps the
-        # module's parameters for trace tensors while it runs; exporting under the lock also
-        # makes two threads that meet a new signature export it once.
+        # module's parameters for trace tensors while it runs.
         with self._lock:
             state = _module_state(self.module)
             signature = signature_of(call, state, tuple(m.training for m in self.module.modules()))
-            reason = self._fallbacks.get(signature)
-            entry = None if reason else self._signatures.get(signature)
-        if reason is not None:
-            return self._eager(args, kwargs)
-        if entry is None:
-            try:
-                with self._lock:
-                    entry = self._signatures.get(signature) or self._prepare(signature, call, state)
-            except (ExportError, GradientError) as error:
-                return self._fall_back(signature, args, kwargs, error)
-        if entry.exported.static_shapes:
-            return self._call_static(signature, call, state, args, kwargs)
-        return self._run(entry, signature, call, state, args, kwargs)
+        return self._call(signature, call, state, args, kwargs)
 
-    def _call_static(
+    def _call(
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
     ) -> Any:
-        """A trace that baked sizes in: one graph per concrete shape set."""
-        shaped = signature.with_shapes(call.tensors)
-        with self._lock:
-            entry = self._signatures.get(shaped)
+        """Run the call on the graph of `signature`, exported first if the signature is new."""
+        try:
+            # Exporting under the lock makes two threads that meet a new signature export once.
+            with self._lock:
+                fell_back = signature in self._fallbacks
+                entry = None if fell_back else (
+                    self._signatures.get(signature) or self._prepare(signature, call, state)
+                )
+        except (ExportError, GradientError) as error:
+            return self._fall_back(signature, args, kwargs, error)
         if entry is None:
-            try:
-                with self._lock:
-                    entry = self._signatures.get(shaped) or self._prepare(shaped, call, state)
-            except (ExportError, GradientError) as error:
-                return self._fall_back(shaped, args, kwargs, error)
-        return self._run(entry, shaped, call, state, args, kwargs)
+            return self._eager(args, kwargs)
+        if entry.exported.static_shapes and signature.shapes is None:
+            # The trace baked sizes in: one graph per set of sizes.
+            return self._call(signature.with_shapes(call.tensors), call, state, args, kwargs)
+        return self._run(entry, signature, call, state, args, kwargs)
 
     def _run(
         self,
