@@ -18,7 +18,7 @@ DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]
 
 
 class GraphRunError(RuntimeError):
-    """ORT rejected the inputs of a graph (shape or type mismatch the signature did not catch)."""
+    """ORT cannot load or run a graph on these inputs (no kernel for a dtype, a shape mismatch)."""
 
 
 def cuda_provider_available() -> bool:
@@ -46,12 +46,14 @@ class GraphSession:
         # keep their peak reserved for the whole process, and memory saved by a smaller stash
         # would never be given back.
         options.enable_cpu_mem_arena = False
-        return onnxruntime.InferenceSession(
-            self._model_bytes,
-            options,
-            providers=_providers(self.device),
-            disabled_optimizers=DISABLED_OPTIMIZERS,
-        )
+        providers = _providers(self.device)
+        try:
+            return onnxruntime.InferenceSession(
+                self._model_bytes, options, providers=providers,
+                disabled_optimizers=DISABLED_OPTIMIZERS,
+            )
+        except Exception as error:  # e.g. no kernel for an op at this dtype on this device
+            raise GraphRunError(f"ORT cannot load the graph on {self.device}: {error}") from error
 
     def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Run with `feeds` (name -> tensor on this session's device); outputs in graph order."""

@@ -1,8 +1,9 @@
 """Flatten a call's arguments and key it: what decides whether an exported graph can be reused.
 
-A graph exported for one call serves another call when the two agree on the train/eval flags, on the
-structure of the arguments, on every tensor's dtype, rank, device and requires_grad, on every
-non-tensor argument's value, and on the parameters' dtypes, devices and requires_grad. Sizes are
+A graph exported for one call serves another call when the two agree on the train/eval flags and
+the autocast state, on the structure of the arguments, on every tensor's dtype, rank, device and
+requires_grad, on every non-tensor argument's value, and on the parameters' dtypes, devices and
+requires_grad. Sizes are
 not part of the key: graphs are exported with dynamic axes (see `export.py`), unless the trace
 showed that sizes were baked in, in which case the runtime adds them (`with_shapes`).
 """
@@ -29,6 +30,7 @@ class TensorMeta:
 @dataclasses.dataclass(frozen=True)
 class Signature:
     modes: tuple[bool, ...]  # train/eval flag of every submodule
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # the trace records autocast's casts
     structure: pytree.TreeSpec
     tensors: tuple[TensorMeta, ...]
     constants: tuple[Hashable, ...]
@@ -106,6 +108,10 @@ def signature_of(
     )
     return Signature(
         modes=modes,
+        autocast=tuple(
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda")
+        ),
         structure=call.structure,
         tensors=tuple(tensor_meta(t) for t in call.tensors),
         constants=constants,

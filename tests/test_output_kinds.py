@@ -74,3 +74,24 @@ def test_fallback_trains_in_eager_and_is_counted_once():
     plain(x).sum().backward()
     assert_close(model.linear.weight.grad, plain.linear.weight.grad, "eager fallback grad")
     assert lazygrad.stats(model).fallbacks == 1
+
+
+def test_autocast_is_part_of_the_signature_and_an_unloadable_graph_falls_back():
+    """ORT's CPU provider has no bfloat16 Gemm: that graph falls back; float32 outside runs ORT."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = lazygrad.lazy(copy.deepcopy(plain))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(
+        lazygrad.FallbackWarning, match="cannot load the graph"
+    ):
+        out = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+    out_fp32 = model(x)
+    assert out_fp32.dtype == torch.float32 and out_fp32.grad_fn is not None
+    assert_close(out_fp32.detach(), plain(x).detach(), "float32 output outside autocast")
+    stats = lazygrad.stats(model)
+    assert (stats.exports, stats.fallbacks) == (2, 1)
