@@ -276,7 +276,12 @@ class Runtime:
                 self.stats.builds += 1
                 if self._disk:
                     self._disk.store(disk_key, graph)
-            stats = EntryStats(mask=mask, build_seconds=graph.build_seconds, from_disk=from_disk)
+            stats = EntryStats(
+                mask=mask,
+                forward=entry.fingerprint[:8],
+                build_seconds=graph.build_seconds,
+                from_disk=from_disk,
+            )
             built = BackwardEntry(graph, stats)
             self._backward[key] = built
             return built

@@ -10,6 +10,7 @@ class EntryStats:
     """One cached backward graph."""
 
     mask: tuple[bool, ...]
+    forward: str = ""  # which forward graph (input signature) it belongs to: a content hash prefix
     hits: int = 0
     build_seconds: float = 0.0
     from_disk: bool = False
@@ -51,11 +52,12 @@ class Stats:
             f"recomputes={self.recomputes} disk_hits={self.disk_hits} "
             f"evictions={self.evictions}"
         )
-        rows = [f"{'mask':<24}{'hits':>8}{'build ms':>12}{'source':>8}"]
+        rows = [f"{'forward':<10}{'mask':<24}{'hits':>8}{'build ms':>12}{'source':>8}"]
         for entry in self.entries:
             mask = "".join("1" if bit else "0" for bit in entry.mask)
             source = "disk" if entry.from_disk else "built"
             rows.append(
-                f"{mask:<24}{entry.hits:>8}{entry.build_seconds * 1e3:>12.1f}{source:>8}"
+                f"{entry.forward:<10}{mask:<24}{entry.hits:>8}"
+                f"{entry.build_seconds * 1e3:>12.1f}{source:>8}"
             )
         return "\n".join([counters, *rows])

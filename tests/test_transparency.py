@@ -159,3 +159,22 @@ def test_bad_options_and_targets_are_rejected_with_a_clear_message():
         lazygrad.lazy(42)
     with pytest.raises(TypeError, match="is not lazy"):
         lazygrad.stats(ThreeHeadMLP())
+
+
+def test_to_float64_exports_a_float64_graph_with_eager_float64_gradients():
+    torch.manual_seed(0)
+    model = LazyMLP()
+    x = torch.randn(4, 16)
+    model(x)[0].sum().backward()
+    model.double()
+    eager = _reference(model).double()
+    model.zero_grad(set_to_none=True)
+    out = model(x.double())
+    expected = eager(x.double())
+    assert out[1].dtype == torch.float64
+    assert_close(out[1].detach(), expected[1].detach(), "float64 output")
+    out[1].sum().backward()
+    expected[1].sum().backward()
+    assert_close(model.classify.weight.grad, eager.classify.weight.grad, "float64 grad")
+    stats = lazygrad.stats(model)
+    assert stats.exports == 2 and len({e.forward for e in stats.entries}) == 2
