@@ -1,0 +1,94 @@
+"""First step and peak memory, each peer in a fresh process (`python -m benchmarks.fresh SPEC`).
+
+Fresh, because both figures are about what a process pays once: export, graph builds and session
+creation for lazygrad, compilation for torch.compile; and because ONNX Runtime's allocator arenas
+(one per session) never shrink, so a second configuration in the same process would show the
+first one's memory.
+
+Memory is the process's resident set size: the peak over one cycle of steady steps (after the
+workload's settling steps) minus the resident size after the model was built, i.e. what training
+the model costs beyond holding its weights: activations or stashed intermediates, gradients,
+workspaces, arenas, cached graphs. glibc is told to return large blocks to the system on free
+(MALLOC_MMAP_THRESHOLD_), so memory freed after the export does not count as held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+MMAP_THRESHOLD = str(256 * 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """One workload's figures from a fresh process."""
+
+    workload: str
+    first_step_s: float
+    peak_mib: float
+
+
+def measure(peer: str, workloads: list[str]) -> list[Fresh]:
+    """Run `workloads` in turn on one model of `peer` in a new process.
+
+    One model across several workloads lets torch.compile and eager share one process (their
+    memory is torch's and is given back between workloads); the first workload's first step is
+    the only cold one then.
+    """
+    spec = json.dumps({"peer": peer, "workloads": workloads})
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.fresh", spec],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"fresh run of {peer} on {workloads} failed:\n{done.stderr[-3000:]}")
+    return [Fresh(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def _reset_peak() -> None:
+    """Set the kernel's high-water mark (VmHWM) back to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+
+
+def _run(peer: str, workload_names: list[str]) -> list[Fresh]:
+    from benchmarks import peers
+    from benchmarks.timing import timed
+    from benchmarks.workloads import WORKLOADS
+
+    workloads = [WORKLOADS[name] for name in workload_names]
+    model = peers.make(peer, workloads[0].model())
+    resting = _status_mib("VmRSS")
+    results = []
+    for workload in workloads:
+        step = workload.step(model)
+        first = timed(lambda step=step: step(0))
+        for index in range(1, workload.settle):
+            step(index)
+        _reset_peak()
+        for index in range(workload.settle, workload.settle + workload.cycle):
+            step(index)
+        results.append(Fresh(workload.name, first, _status_mib("VmHWM") - resting))
+    return results
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    request = json.loads(sys.argv[1])
+    rows = _run(request["peer"], request["workloads"])
+    print(json.dumps([dataclasses.asdict(row) for row in rows]))

@@ -1,0 +1,123 @@
+"""The workloads of issue #4: what is trained, on which inputs, with which loss at which step.
+
+A workload is plain data plus three functions, so the same definition serves the interleaved run
+in this process and the fresh-process runs that measure memory and the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lazygrad.models import BertConfig, BertPretraining, MoELayer, bert_batch
+
+BERT = BertConfig(vocab=8000, hidden=256, layers=4, heads=4, max_positions=256)
+BERT_BATCH, BERT_SEQ = 8, 128
+MOE_HIDDEN, MOE_EXPERTS, MOE_SHAPE = 128, 4, (4, 32, 128)
+AUX_EVERY = 4
+
+Outputs = tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One row group of the report."""
+
+    name: str
+    model: Callable[[], nn.Module]  # a fresh model, the same weights every time
+    inputs: Callable[[int], tuple]  # step index -> model inputs
+    loss: Callable[[Outputs, int], torch.Tensor]  # outputs, step index -> the loss to backward
+    settle: int  # steps until every cache a peer fills in steady state is filled
+    cycle: int  # steps after which the sequence of grad masks and inputs repeats
+
+    def step(self, model: nn.Module) -> Callable[[int], None]:
+        """One training step of `model` (zero grads, forward, loss, backward) by step index."""
+
+        def run(index: int) -> None:
+            model.zero_grad(set_to_none=True)
+            self.loss(model(*self.inputs(index)), index).backward()
+
+        return run
+
+
+def _bert_model() -> nn.Module:
+    torch.manual_seed(0)
+    return BertPretraining(BERT)
+
+
+@functools.cache
+def _bert_inputs(seq: int) -> tuple[torch.Tensor, ...]:
+    return bert_batch(BERT, batch=BERT_BATCH, seq=seq, seed=seq)
+
+
+# Workload 1: the compositions of the BERT pre-training outputs a user backwards through.
+COMPOSITIONS: dict[str, Callable[[Outputs], torch.Tensor]] = {
+    "loss": lambda out: out[0],
+    "loss + scores": lambda out: out[0] + out[1].mean(),
+    "all three": lambda out: out[0] + out[1].mean() + out[2].mean(),
+}
+
+
+def bert(composition: str) -> Workload:
+    compose = COMPOSITIONS[composition]
+    return Workload(
+        name=f"bert {composition}",
+        model=_bert_model,
+        inputs=lambda index: _bert_inputs(BERT_SEQ),
+        loss=lambda out, index: compose(out),
+        settle=2,  # lazygrad's first step plans for every output, the second for the mask seen
+        cycle=1,
+    )
+
+
+def _moe_model() -> nn.Module:
+    torch.manual_seed(0)
+    return MoELayer(hidden=MOE_HIDDEN, experts=MOE_EXPERTS)
+
+
+@functools.cache
+def _moe_input() -> tuple[torch.Tensor]:
+    return (torch.randn(*MOE_SHAPE, generator=torch.Generator().manual_seed(1)),)
+
+
+def _moe_loss(out: Outputs, index: int) -> torch.Tensor:
+    task = out[0].pow(2).mean()
+    return task + 0.01 * out[1] if index % AUX_EVERY == AUX_EVERY - 1 else task
+
+
+# Workload 2: the auxiliary loss joins every 4th step, so the grad mask changes under the cache.
+MOE = Workload(
+    name="moe aux every 4th",
+    model=_moe_model,
+    inputs=lambda index: _moe_input(),
+    loss=_moe_loss,
+    settle=AUX_EVERY,
+    cycle=AUX_EVERY,
+)
+
+
+def seq_lengths(lengths: tuple[int, ...]) -> Workload:
+    """Workload 3: workload 1's loss, each pass visiting every length once in a shuffled order."""
+
+    def length(index: int) -> int:
+        order = list(lengths)
+        random.Random(index // len(lengths)).shuffle(order)
+        return order[index % len(lengths)]
+
+    return Workload(
+        name=f"bert seq {min(lengths)}..{max(lengths)}",
+        model=_bert_model,
+        inputs=lambda index: _bert_inputs(length(index)),
+        loss=lambda out, index: out[0],
+        settle=0,
+        cycle=len(lengths),
+    )
+
+
+# Workloads a fresh process can be asked to run, by name.
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE]}
