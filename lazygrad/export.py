@@ -68,7 +68,17 @@ class OutputTemplate:
     constants: dict[int, Any]  # leaf position -> non-tensor leaf
     tensor_positions: list[int]
 
+    def __post_init__(self) -> None:
+        # `return a, b, c` of tensors, the common case, is rebuilt without pytree.
+        self.plain_tuple = (
+            self.structure.type is tuple
+            and not self.constants
+            and all(child.is_leaf() for child in self.structure.children_specs)
+        )
+
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        if self.plain_tuple:
+            return tuple(tensors)
         leaves: list[Any] = [None] * (len(self.constants) + len(self.tensor_positions))
         for position, value in self.constants.items():
             leaves[position] = value

@@ -21,6 +21,7 @@ from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_modul
 from lazygrad.function import LazyFunction
 from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
 from lazygrad.graph_cache import GraphCache
+from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
 from lazygrad.session import GraphRunError, GraphSession
 from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
@@ -71,6 +72,7 @@ class Runtime:
 
     def _init_caches(self) -> None:
         self.forward_fn = original_forward(type(self.module))
+        self._state = ModuleState(self.module)
         self._lock = threading.RLock()
         self.stats = Stats()
         self._signatures = GraphCache(self.options.cache_size, self._count_eviction)
@@ -116,8 +118,8 @@ class Runtime:
         # The state is read under the lock because an export (in another thread) swaps the
         # module's parameters for trace tensors while it runs.
         with self._lock:
-            state = _module_state(self.module)
-            signature = signature_of(call, state, tuple(m.training for m in self.module.modules()))
+            state, modes = self._state.read()
+            signature = signature_of(call, state, modes)
         return self._call(signature, call, state, args, kwargs)
 
     def _call(
@@ -157,7 +159,11 @@ class Runtime:
                 outputs = LazyFunction.apply(step, *inputs)
             else:
                 session = self.session(
-                    entry.sessions, ("forward", ()), lambda: stash.forward_graph(entry, ()), device
+                    entry.sessions,
+                    ("forward", ()),
+                    lambda: stash.forward_graph(entry, ()),
+                    device,
+                    entry,
                 )
                 outputs = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
         except GraphRunError as error:
@@ -187,7 +193,7 @@ class Runtime:
             with self._lock:
                 known = list(self._signatures.keys())
             explained = explain_bad_input(eager_error, flatten_call(args, kwargs), self.forward_fn,
-                                          known, _module_state(self.module))
+                                          known, self._state.read()[0])
             if explained is None:
                 raise
             raise explained from eager_error
@@ -292,13 +298,15 @@ class Runtime:
         key: Hashable,
         model: Callable[[], onnx.ModelProto],
         device: torch.device,
+        entry: SignatureEntry,
     ) -> GraphSession:
         """The session for `key` on `device` in `sessions`, made from `model()` the first time."""
         key = (key, _device_key(device))
         with self._lock:
             found = sessions.get(key)
             if found is None:
-                found = sessions[key] = GraphSession(model(), device)
+                state = frozenset(entry.exported.graph_inputs[: len(entry.exported.state_names)])
+                found = sessions[key] = GraphSession(model(), device, persistent=state)
             return found
 
     def count_recompute(self) -> None:
@@ -313,12 +321,6 @@ class Runtime:
         graph = self.backward_entry(signature, entry, mask, count=False).graph
         inputs = set(entry.exported.graph_inputs)
         return tuple(sorted({n for n in graph.reads if n not in inputs} | set(entry.random)))
-
-
-def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    return state
 
 
 def _graph_feeds(

@@ -2,6 +2,9 @@
 
 Inputs are handed to ORT as OrtValues that alias the torch storage, outputs come back as
 OrtValues that torch adopts without a copy; the same IOBinding path serves CPU and CUDA.
+The module's parameters are fed every call: their OrtValues are made once and reused while the
+tensor's storage stays where it was (an optimizer updates it in place), which keeps the per-call
+cost to the call's own inputs and outputs.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import onnx
 import onnxruntime
 import torch
 from onnxruntime.capi import _pybind_state as ort_c
-from torch.utils.dlpack import from_dlpack, to_dlpack
+from torch._C import _from_dlpack
+from torch.utils.dlpack import to_dlpack
 
 # Measured: these fusions drop tensors that are requested graph outputs (the stash needs them):
 # SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
@@ -28,10 +32,18 @@ def cuda_provider_available() -> bool:
 class GraphSession:
     """One ORT InferenceSession bound to one torch device."""
 
-    def __init__(self, model: onnx.ModelProto, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        device: torch.device,
+        persistent: frozenset[str] = frozenset(),
+    ) -> None:
+        """`persistent`: inputs fed the same long-lived tensor every call (module state)."""
         self.device = device
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
+        self._persistent = persistent
+        self._ortvalues: dict[str, tuple[torch.Tensor, tuple, ort_c.OrtValue]] = {}
         self._model_bytes = model.SerializeToString()
         self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
         self._output_device = _ort_device(device)
@@ -61,21 +73,22 @@ class GraphSession:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Run with `feeds` (name -> tensor on this session's device); outputs in graph order."""
-        values = self._run(feeds)
-        if not all(value.is_tensor() for value in values):
+        try:
+            return _to_tensors(self._run(feeds))
+        except _MissingOutput:
             # A fusion we have not met yet dropped a requested output: fall back, for good, to
             # the basic optimisation level, which does no fusions.
             self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC)
-            values = self._run(feeds)
-        for name, value in zip(self.output_names, values):
-            if not value.is_tensor():
-                raise GraphRunError(f"ORT produced no tensor for requested output '{name}'")
-        return [_to_tensor(value) for value in values]
+            try:
+                return _to_tensors(self._run(feeds))
+            except _MissingOutput as missing:
+                name = self.output_names[missing.index]
+                raise GraphRunError(f"ORT produced no tensor for output '{name}'") from None
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> list[ort_c.OrtValue]:
+    def _run(self, feeds: dict[str, torch.Tensor]) -> ort_c.OrtValueVector:
         binding = ort_c.SessionIOBinding(self._session._sess)
         for name in self.input_names:
-            binding.bind_ortvalue_input(name, _to_ortvalue(feeds[name]))
+            binding.bind_ortvalue_input(name, self._ortvalue(name, feeds[name]))
         for name in self.output_names:
             binding.bind_output(name, self._output_device)
         if self.device.type == "cuda":
@@ -86,7 +99,21 @@ class GraphSession:
             raise GraphRunError(str(error)) from error
         if self.device.type == "cuda":
             binding.synchronize_outputs()
-        return list(binding.get_outputs())
+        return binding.get_outputs()
+
+    def _ortvalue(self, name: str, tensor: torch.Tensor) -> ort_c.OrtValue:
+        if name not in self._persistent:
+            return _to_ortvalue(tensor)
+        if not tensor.is_contiguous():
+            return _to_ortvalue(tensor)  # a contiguous copy: it would not see later updates
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        cached = self._ortvalues.get(name)
+        # Same tensor, same storage: the OrtValue still aliases it (in-place updates included).
+        if cached is not None and cached[0] is tensor and cached[1] == key:
+            return cached[2]
+        value = _to_ortvalue(tensor)
+        self._ortvalues[name] = (tensor, key, value)
+        return value
 
 
 def _providers(device: torch.device) -> list:
@@ -114,16 +141,28 @@ def _ort_device(device: torch.device) -> ort_c.OrtDevice:
     return ort_c.OrtDevice(ort_c.OrtDevice.cpu(), ort_c.OrtDevice.default_memory(), 0)
 
 
+class _MissingOutput(Exception):
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def _to_tensors(values: ort_c.OrtValueVector) -> list[torch.Tensor]:
+    try:
+        tensors = values.to_dlpacks(_from_dlpack)
+    except RuntimeError:  # an output without a value; find which (rare: not on the fast path)
+        for index in range(len(values)):
+            if not values[index].has_value():
+                raise _MissingOutput(index) from None
+        raise
+    for index in values.bool_tensor_indices():
+        tensors[index] = tensors[index].view(torch.bool)  # DLPack carries ORT bool as uint8
+    return tensors
+
+
 def _to_ortvalue(tensor: torch.Tensor) -> ort_c.OrtValue:
     tensor = tensor.detach().contiguous()
     if tensor.dtype == torch.bool:
         # ORT 1.19's DLPack reader knows bool only as uint8 plus a flag.
         return ort_c.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
     return ort_c.OrtValue.from_dlpack(to_dlpack(tensor), False)
-
-
-def _to_tensor(value: ort_c.OrtValue) -> torch.Tensor:
-    tensor = from_dlpack(value.to_dlpack())
-    if value.data_type() == "tensor(bool)":
-        return tensor.view(torch.bool)
-    return tensor

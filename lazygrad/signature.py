@@ -11,16 +11,16 @@ showed that sizes were baked in, in which case the runtime adds them (`with_shap
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     dtype: torch.dtype
     ndim: int
     device: torch.device
@@ -36,6 +36,15 @@ class Signature:
     constants: tuple[Hashable, ...]
     state: tuple[TensorMeta, ...]
     shapes: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        # A signature is hashed by every cache lookup of a call: once is enough.
+        fields = (self.modes, self.autocast, self.structure, self.tensors, self.constants,
+                  self.state, self.shapes)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     def with_shapes(self, tensors: list[torch.Tensor]) -> Signature:
         return dataclasses.replace(self, shapes=tuple(tuple(t.shape) for t in tensors))
@@ -62,10 +71,18 @@ class FlatCall:
 
 
 def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
+    if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
+        # The common call, `model(*tensors)`: its structure depends on the count alone.
+        return FlatCall(list(args), _tensors_structure(len(args)), list(range(len(args))))
     # Keyword order does not change a Python call's meaning, so it does not change the key.
     leaves, structure = flatten((args, dict(sorted(kwargs.items()))))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     return FlatCall(leaves, structure, positions)
+
+
+@functools.cache
+def _tensors_structure(count: int) -> pytree.TreeSpec:
+    return pytree.tree_flatten(((0,) * count, {}))[1]
 
 
 _registration_lock = threading.Lock()

@@ -43,6 +43,7 @@ class Step:
             ("forward", planned),
             lambda: stash_graphs.forward_graph(entry, planned),
             self.device,
+            entry,
         )
         results = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
         produced = dict(zip(session.output_names, results))
@@ -69,7 +70,7 @@ class Step:
         for grad_name, output in zip(backward.graph.grad_input_names, backward.graph.grad_of):
             feeds[grad_name] = grads[outputs.index(output)]
         session = runtime.session(
-            backward.sessions, "backward", lambda: backward.graph.model, self.device
+            backward.sessions, "backward", lambda: backward.graph.model, self.device, entry
         )
         results = dict(zip(backward.graph.grads_for, session.run(feeds)))
         return [results.get(name) for name in names]
@@ -84,6 +85,7 @@ class Step:
             ("recompute", planned, missing),
             lambda: stash_graphs.recompute_graph(entry, planned, missing),
             self.device,
+            entry,
         )
         self.runtime.count_recompute()
         return dict(zip(missing, session.run({n: values[n] for n in session.input_names})))

@@ -178,3 +178,18 @@ def test_to_float64_exports_a_float64_graph_with_eager_float64_gradients():
     assert_close(model.classify.weight.grad, eager.classify.weight.grad, "float64 grad")
     stats = lazygrad.stats(model)
     assert stats.exports == 2 and len({e.forward for e in stats.entries}) == 2
+
+
+def test_replacing_a_head_or_a_parameter_after_the_first_call_is_seen():
+    torch.manual_seed(0)
+    model = LazyMLP()
+    x = torch.randn(4, 16)
+    model(x)[0].sum().backward()
+    model.regress = torch.nn.Linear(32, 1)  # a new head (fine-tuning)
+    model.classify._parameters["bias"] = torch.nn.Parameter(torch.full((5,), 3.0))  # no hooks
+    model.embed.weight.requires_grad_(False)  # frozen
+    _assert_same_training_step(model, x)
+    outputs = model(x)
+    assert_close(outputs[1].detach(), _reference(model)(x)[1].detach(), "output, new bias")
+    outputs[2].sum().backward()
+    assert model.embed.weight.grad is None and model.embed.bias.grad is not None
