@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lazygrad.onnx_graph import with_optional_outputs
+from lazygrad.rewrites import decompose_cross_entropy
 from lazygrad.signature import FlatCall, flatten
 
 # 20: GELU exports as one Gelu op (ORT's gradient builder knows it), so the backward reads its
@@ -225,7 +226,7 @@ def export_module(
             "the forward branches on tensor values, which one traced graph cannot capture: "
             + value_dependent[0]
         )
-    model = with_optional_outputs(onnx.load_from_string(buffer.getvalue()))
+    model = with_optional_outputs(decompose_cross_entropy(onnx.load_from_string(buffer.getvalue())))
     present = {value.name for value in model.graph.input}
     assert traced.template is not None
     return ExportedGraph(
