@@ -8,7 +8,7 @@ import torch
 
 
 class Step(Protocol):
-    """One call's forward and backward, as the runtime runs them (see `runtime.Step`)."""
+    """One call's forward and backward, as the runtime runs them (see `step.Step`)."""
 
     differentiable: tuple[bool, ...]
 

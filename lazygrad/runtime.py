@@ -186,7 +186,7 @@ class Runtime:
     def _fall_back(self, signature: Signature, args: tuple, kwargs: dict, error: Exception) -> Any:
         """Run eagerly; if eager fails too the input is bad, and eager's error is the one raised
         (with the culprit input and its expected dtype/device/rank in front where they differ
-        from the exported signature: `signature.explain_bad_input`)."""
+        from the exported signature: `errors.explain_bad_input`)."""
         try:
             result = self._eager(args, kwargs)
         except Exception as eager_error:
@@ -237,7 +237,7 @@ class Runtime:
             fingerprint=disk_cache.fingerprint(exported.model),
         )
         # A trace that baked sizes in serves these sizes only: it is filed under them, and the
-        # size-free key marks the signature as one that needs sizes (see `_call_static`).
+        # size-free key marks the signature as one that needs sizes (see `_call`).
         key = signature.with_shapes(call.tensors) if exported.static_shapes else signature
         with self._lock:
             self.stats.exports += 1
