@@ -22,7 +22,7 @@ import onnxruntime
 from lazygrad.gradient import BackwardGraph
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
-MAGIC = b"LAZYGRAD-BACKWARD-1\n"
+MAGIC = b"LAZYGRAD-BACKWARD-2\n"
 _DEFAULT = Path(__file__).resolve().parent.parent / "cache"
 
 
@@ -90,6 +90,7 @@ def _encode(graph: BackwardGraph) -> bytes:
             "reads": graph.reads,
             "grads_for": graph.grads_for,
             "build_seconds": graph.build_seconds,
+            "forward_nodes": [node.SerializeToString().hex() for node in graph.forward_nodes],
         }
     ).encode()
     payload = struct.pack("<Q", len(header)) + header + graph.model.SerializeToString()
@@ -112,4 +113,7 @@ def _decode(data: bytes) -> BackwardGraph | None:
         reads=header["reads"],
         grads_for=header["grads_for"],
         build_seconds=header["build_seconds"],
+        forward_nodes=[
+            onnx.NodeProto.FromString(bytes.fromhex(node)) for node in header["forward_nodes"]
+        ],
     )

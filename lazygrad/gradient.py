@@ -20,6 +20,7 @@ from onnxruntime.capi import _pybind_state as ort_c
 from lazygrad import onnx_graph
 from lazygrad.onnx_graph import FLOAT_TYPES, elem_type
 
+SHAPE_OPS = frozenset({"Shape", "Size"})
 OUTPUT_SUFFIX = "__out"
 GRAD_SUFFIX = "_grad"
 
@@ -37,6 +38,9 @@ class BackwardGraph:
     reads: list[str]  # forward tensors it reads: graph inputs and stashed intermediates
     grads_for: list[str]  # graph inputs whose gradients it returns
     build_seconds: float
+    # Shape/Size nodes of the gradient moved into the forward: the backward reads their small
+    # outputs instead of the whole forward tensors they measure.
+    forward_nodes: list[onnx.NodeProto] = dataclasses.field(default_factory=list)
 
     @property
     def grad_input_names(self) -> list[str]:
@@ -87,12 +91,19 @@ def build_backward(
     if not wrt:
         raise GradientError(f"no trainable input reaches outputs {outputs}")
     built = _run_builder(_with_output_identities(forward, outputs), outputs, wrt)
-    model = _split(forward, built, outputs, wrt, available, types)
+    model, hoisted = _split(forward, built, outputs, wrt, available, types)
     reads = sorted(
         {value.name for value in model.graph.input}
         - {name + OUTPUT_SUFFIX + GRAD_SUFFIX for name in outputs}
     )
-    return BackwardGraph(model, list(outputs), reads, wrt, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return BackwardGraph(model, list(outputs), reads, wrt, seconds, forward_nodes=hoisted)
+
+
+def hoisted_type(node: onnx.NodeProto) -> onnx.TypeProto:
+    """Type of a hoisted Shape (1-D int64) or Size (int64 scalar) output."""
+    dims = [None] if node.op_type == "Shape" else []
+    return onnx.helper.make_tensor_type_proto(onnx.TensorProto.INT64, dims)
 
 
 def _with_output_identities(forward: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
@@ -138,7 +149,7 @@ def _split(
     wrt: list[str],
     available: set[str],
     types: dict[str, onnx.TypeProto],
-) -> onnx.ModelProto:
+) -> tuple[onnx.ModelProto, list[onnx.NodeProto]]:
     """Keep the nodes that compute the wanted gradients from `available` forward tensors."""
     grad_inputs = {name + OUTPUT_SUFFIX + GRAD_SUFFIX: types[name] for name in outputs}
     grad_outputs = [name + GRAD_SUFFIX for name in wrt]
@@ -148,10 +159,19 @@ def _split(
         nodes, grad_outputs, (available - constant_made) | set(grad_inputs)
     )
     initializers = {init.name: init for init in built.graph.initializer}
+    graph_inputs = {value.name for value in forward.graph.input}
+    forward_tensors = onnx_graph.produced_names(forward.graph.node) | graph_inputs
+    # ORT's gradients of broadcasting ops take the Shape of whole forward tensors (the logits
+    # before their bias, say); measured in the forward, only the shape needs stashing.
+    hoisted = [
+        node for node in kept
+        if node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")
+        and node.input[0] in available and node.input[0] not in graph_inputs
+    ]
+    kept = [node for node in kept if all(node is not h for h in hoisted)]
+    types = {**types, **{node.output[0]: hoisted_type(node) for node in hoisted}}
+    forward_tensors |= {node.output[0] for node in hoisted}
     read = onnx_graph.consumed_names(kept) - onnx_graph.produced_names(kept)
-    forward_tensors = onnx_graph.produced_names(forward.graph.node) | {
-        value.name for value in forward.graph.input
-    }
     missing = read - forward_tensors - set(grad_inputs) - set(initializers)
     if missing:
         raise GradientError(
@@ -162,7 +182,8 @@ def _split(
         for name in sorted(read - set(initializers))
     ]
     outs = [onnx_graph.value_info(name + GRAD_SUFFIX, types[name]) for name in wrt]
-    return onnx_graph.make_model(
+    model = onnx_graph.make_model(
         built, kept, inputs, outs, [initializers[n] for n in sorted(read & set(initializers))],
         "lazygrad_backward",
     )
+    return model, hoisted

@@ -19,7 +19,13 @@ from lazygrad import disk_cache, onnx_graph, stash
 from lazygrad.errors import FallbackWarning, LazygradError, explain_bad_input
 from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_module, in_eager_mode
 from lazygrad.function import LazyFunction
-from lazygrad.gradient import BackwardGraph, GradientError, build_backward, differentiable_outputs
+from lazygrad.gradient import (
+    BackwardGraph,
+    GradientError,
+    build_backward,
+    differentiable_outputs,
+    hoisted_type,
+)
 from lazygrad.graph_cache import GraphCache
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
@@ -41,6 +47,8 @@ class SignatureEntry:
     random: tuple[str, ...]  # outputs of random ops: always stashed, never recomputed
     prediction: tuple[bool, ...]  # the mask the next backward is expected to have
     fingerprint: str  # content hash of the forward graph: the on-disk cache key's root
+    # Shape nodes hoisted out of backward graphs, by output: the forward runs those it stashes.
+    hoisted: dict[str, onnx.NodeProto] = dataclasses.field(default_factory=dict)
     sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
 
 
@@ -282,6 +290,9 @@ class Runtime:
                 self.stats.builds += 1
                 if self._disk:
                     self._disk.store(disk_key, graph)
+            for node in graph.forward_nodes:
+                entry.hoisted[node.output[0]] = node
+                entry.types[node.output[0]] = hoisted_type(node)
             stats = EntryStats(
                 mask=mask,
                 forward=entry.fingerprint[:8],

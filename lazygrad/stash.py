@@ -36,8 +36,9 @@ def forward_graph(entry: SignatureEntry, stash: tuple[str, ...]) -> onnx.ModelPr
     outputs = list(model.graph.output) + [
         onnx_graph.value_info(name, entry.types[name]) for name in stash if name not in returned
     ]
+    shapes = [entry.hoisted[name] for name in stash if name in entry.hoisted]
     return onnx_graph.make_model(
-        model, list(model.graph.node), list(model.graph.input), outputs,
+        model, [*model.graph.node, *shapes], list(model.graph.input), outputs,
         list(model.graph.initializer), "lazygrad_forward",
     )
 
@@ -48,7 +49,8 @@ def recompute_graph(
     """The forward nodes that make `missing` from the graph inputs and the stashed tensors."""
     model = entry.exported.model
     have = set(entry.exported.graph_inputs) | set(stash)
-    nodes = onnx_graph.slice_nodes(list(model.graph.node), missing, have)
+    every = [*model.graph.node, *entry.hoisted.values()]  # hoisted shapes read forward tensors
+    nodes = onnx_graph.slice_nodes(every, missing, have)
     reads = sorted((onnx_graph.consumed_names(nodes) - onnx_graph.produced_names(nodes)) & have)
     return onnx_graph.make_model(
         model,

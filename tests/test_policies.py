@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import assert_close
@@ -89,3 +91,26 @@ def test_in_place_change_between_forward_and_backward_raises_pytorchs_error():
     model.zero_grad()
     model(torch.randn(4, 8))[0].sum().backward()  # still usable
     assert model.second.weight.grad is not None
+
+
+def test_tensors_read_only_for_their_shape_are_not_stashed():
+    """The bias add before a loss: its gradient needs the pre-bias tensor's shape, not its data."""
+    from conftest import MODEL_CASES
+
+    model, inputs = MODEL_CASES["bert"]()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    outputs = lazy(*inputs)
+    step = outputs[0].grad_fn.step
+    hoisted = set(step.entry.hoisted)
+    assert hoisted and hoisted <= set(step.stash)  # shapes are stashed ...
+    measured = {node.input[0] for node in step.entry.hoisted.values()}
+    shape_only = measured - set(step.stash)
+    assert shape_only  # ... instead of some whole tensors
+    outputs[0].backward()  # and the backward on them gives eager's gradients
+    expected = model(*inputs)
+    expected[0].backward()
+    assert_close(outputs[0].detach(), expected[0].detach(), "loss")
+    for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, name)
