@@ -56,6 +56,7 @@ class SignatureEntry:
 class BackwardEntry:
     graph: BackwardGraph
     stats: EntryStats
+    stash: tuple[str, ...]  # what a forward keeps for this graph: planned once, read every step
     sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
 
 
@@ -121,7 +122,7 @@ class Runtime:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if in_eager_mode():
-            return self.forward_fn(self.module, *args, **kwargs)
+            return self._eager(args, kwargs)
         call = flatten_call(args, kwargs)
         # The state is read under the lock because an export (in another thread) swaps the
         # module's parameters for trace tensors while it runs.
@@ -299,7 +300,9 @@ class Runtime:
                 build_seconds=graph.build_seconds,
                 from_disk=from_disk,
             )
-            built = BackwardEntry(graph, stats)
+            inputs = set(entry.exported.graph_inputs)
+            kept = {name for name in graph.reads if name not in inputs} | set(entry.random)
+            built = BackwardEntry(graph, stats, tuple(sorted(kept)))
             self._backward[key] = built
             return built
 
@@ -329,9 +332,7 @@ class Runtime:
         if self.options.policy == "recompute":
             return entry.random
         mask = entry.differentiable if self.options.policy == "all" else entry.prediction
-        graph = self.backward_entry(signature, entry, mask, count=False).graph
-        inputs = set(entry.exported.graph_inputs)
-        return tuple(sorted({n for n in graph.reads if n not in inputs} | set(entry.random)))
+        return self.backward_entry(signature, entry, mask, count=False).stash
 
 
 def _graph_feeds(
