@@ -168,7 +168,7 @@ def _split(
         if node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx")
         and node.input[0] in available and node.input[0] not in graph_inputs
     ]
-    kept = [node for node in kept if all(node is not h for h in hoisted)]
+    kept = [node for node in kept if node not in hoisted]
     types = {**types, **{node.output[0]: hoisted_type(node) for node in hoisted}}
     forward_tensors |= {node.output[0] for node in hoisted}
     read = onnx_graph.consumed_names(kept) - onnx_graph.produced_names(kept)
