@@ -1,14 +1,15 @@
-"""On-disk cache of built backward graphs, shared by processes, safe against torn files.
+"""On-disk cache of built graph pairs, shared by processes, safe against torn files.
 
-A second process that exports the same forward graph skips gradient building and splitting: the
-key is a content hash of the forward graph plus everything else the backward graph depends on.
-Each file carries a SHA-256 of its payload; a file that fails the check is deleted and rebuilt,
-never used. Writes go to a temporary file in the same folder and are renamed into place, so a
-reader sees either the old file, the new one, or none, even with two writers at once.
+A second process that traces the same graphs skips exporting and checking them: the key is a
+content hash of the traced (tidied) FX graphs plus everything else the ONNX graphs depend on
+(policy, library versions). Each file carries a SHA-256 of its payload; a file that fails the
+check is deleted and rebuilt, never used. Writes go to a temporary file in the same folder and
+are renamed into place, so a reader sees the old file, the new one, or none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,11 +19,13 @@ from pathlib import Path
 
 import onnx
 import onnxruntime
+import onnxscript
+import torch
 
-from lazygrad.gradient import BackwardGraph
+from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
-MAGIC = b"LAZYGRAD-BACKWARD-2\n"
+MAGIC = b"LAZYGRAD-GRAPHS-3\n"
 _DEFAULT = Path(__file__).resolve().parent.parent / "cache"
 
 
@@ -34,15 +37,9 @@ def default_directory() -> Path | None:
     return _DEFAULT
 
 
-def fingerprint(forward: onnx.ModelProto) -> str:
-    """Content hash of a forward graph (its nodes, names, types: the signature it was made for)."""
-    return hashlib.sha256(forward.SerializeToString()).hexdigest()
-
-
-def cache_key(forward_fingerprint: str, *parts: object) -> str:
-    """Key of one build: the forward graph, what else the build depends on, and the builder."""
-    identity = (forward_fingerprint, MAGIC, onnxruntime.__version__, parts)
-    return hashlib.sha256(repr(identity).encode()).hexdigest()
+def versions() -> tuple[str, ...]:
+    """Everything outside the traced graph that changes the ONNX graphs or how they run."""
+    return (MAGIC.decode(), torch.__version__, onnxscript.__version__, onnxruntime.__version__)
 
 
 class DiskCache:
@@ -52,19 +49,19 @@ class DiskCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.lazygrad"
 
-    def load(self, key: str) -> BackwardGraph | None:
-        """The stored graph, or None if absent or damaged (a damaged file is removed)."""
+    def load(self, key: str) -> Graphs | None:
+        """The stored graphs, or None if absent or damaged (a damaged file is removed)."""
         path = self._path(key)
         try:
             data = path.read_bytes()
         except OSError:
             return None
-        graph = _decode(data)
-        if graph is None:
+        graphs = _decode(data)
+        if graphs is None:
             path.unlink(missing_ok=True)
-        return graph
+        return graphs
 
-    def store(self, key: str, graph: BackwardGraph) -> None:
+    def store(self, key: str, graphs: Graphs) -> None:
         """Write atomically; a cache that cannot be written is skipped, never fatal."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -75,7 +72,7 @@ class DiskCache:
             return
         try:
             with os.fdopen(descriptor, "wb") as handle:
-                handle.write(_encode(graph))
+                handle.write(_encode(graphs))
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, self._path(key))
@@ -83,37 +80,59 @@ class DiskCache:
             Path(temporary).unlink(missing_ok=True)
 
 
-def _encode(graph: BackwardGraph) -> bytes:
-    header = json.dumps(
-        {
-            "grad_of": graph.grad_of,
-            "reads": graph.reads,
-            "grads_for": graph.grads_for,
-            "build_seconds": graph.build_seconds,
-            "forward_nodes": [node.SerializeToString().hex() for node in graph.forward_nodes],
-        }
-    ).encode()
-    payload = struct.pack("<Q", len(header)) + header + graph.model.SerializeToString()
+_MODELS = ("forward", "backward")
+
+
+def _encode(graphs: Graphs) -> bytes:
+    fields = {f.name: getattr(graphs, f.name) for f in dataclasses.fields(graphs)}
+    models = [fields.pop(name) for name in _MODELS]
+    header = json.dumps(_plain(fields)).encode()
+    blobs = [b"" if model is None else model.SerializeToString() for model in models]
+    payload = struct.pack("<QQQ", len(header), *(len(b) for b in blobs)) + header + b"".join(blobs)
     return MAGIC + hashlib.sha256(payload).digest() + payload
 
 
-def _decode(data: bytes) -> BackwardGraph | None:
+def _plain(value: object) -> object:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _decode(data: bytes) -> Graphs | None:
     if not data.startswith(MAGIC):
         return None
     body = data[len(MAGIC):]
     checksum, payload = body[:32], body[32:]
     if len(checksum) < 32 or hashlib.sha256(payload).digest() != checksum:
         return None
-    (header_length,) = struct.unpack("<Q", payload[:8])
-    header = json.loads(payload[8 : 8 + header_length])
-    model = onnx.load_from_string(payload[8 + header_length :])
-    return BackwardGraph(
-        model=model,
-        grad_of=header["grad_of"],
-        reads=header["reads"],
-        grads_for=header["grads_for"],
-        build_seconds=header["build_seconds"],
-        forward_nodes=[
-            onnx.NodeProto.FromString(bytes.fromhex(node)) for node in header["forward_nodes"]
+    header_length, forward_length, backward_length = struct.unpack("<QQQ", payload[:24])
+    offset = 24 + header_length
+    header = json.loads(payload[24:offset])
+    forward = onnx.load_from_string(payload[offset : offset + forward_length])
+    offset += forward_length
+    backward = (
+        onnx.load_from_string(payload[offset : offset + backward_length])
+        if backward_length else None
+    )
+    return Graphs(
+        forward=forward,
+        backward=backward,
+        forward_feeds=[Feed(**f) for f in header["forward_feeds"]],
+        backward_feeds=[Feed(**f) for f in header["backward_feeds"]],
+        mutations=[tuple(m) for m in header["mutations"]],
+        outputs=[
+            OutputSlot(o["index"], [(name, args) for name, args in o["views"]])
+            for o in header["outputs"]
         ],
+        grads_for=header["grads_for"],
+        grad_reach=header["grad_reach"],
+        draws=[Draw(d["kind"], tuple(d["shape"]), d["dtype"]) for d in header["draws"]],
+        locations={k: tuple(v) for k, v in header["locations"].items()},
+        guards=header["guards"],
+        differentiable=header["differentiable"],
+        seconds=header["seconds"],
     )

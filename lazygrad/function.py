@@ -1,4 +1,9 @@
-"""The one autograd node of a lazy call: where PyTorch hands over the gradients and their mask."""
+"""The autograd nodes of a lazy call: where PyTorch hands over the gradients and their mask.
+
+`LazyFunction` is one call through ONNX Runtime. `MaskProbe` sits on the outputs of a call that
+ran in eager PyTorch (the first step of a signature): it passes the gradients through unchanged
+and tells the runtime which outputs received one, the grad mask to build graphs for.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,11 @@ class Step(Protocol):
         """Gradient of each input (None where it is unreachable from the outputs given grads)."""
 
 
+class Probe(Protocol):
+    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The gradients that reached the probed outputs (None: that output got none)."""
+
+
 class LazyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, step: Step, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -41,10 +51,27 @@ class LazyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                "lazygrad: double backward (create_graph=True) through a lazy module is not "
-                "supported; the backward runs in ONNX Runtime and records no autograd graph"
-            )
+        _refuse_double_backward()
         saved = ctx.saved_tensors
         return (None, *ctx.step.backward(saved, grads))
+
+
+class MaskProbe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, probe: Probe, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.probe = probe
+        return tuple(output.view_as(output) for output in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.probe.on_backward(grads)
+        return (None, *grads)
+
+
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "lazygrad: double backward (create_graph=True) through a lazy module is not "
+            "supported; the backward runs in ONNX Runtime and records no autograd graph"
+        )

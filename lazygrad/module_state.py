@@ -1,4 +1,9 @@
-"""The module's parameters, buffers and train/eval flags, read cheaply on every call.
+"""The module's parameters, buffers, train/eval flags and plain attributes, read on every call.
+
+A trace reads Python attributes of the modules (a flag, a size, a scale) as constants: they are
+part of what a graph was captured for, so every plain attribute (a bool, number, string, None,
+or a tuple of them) of every submodule is part of the call's signature, and changing one
+captures again.
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -37,11 +42,15 @@ class ModuleState:
         self._owners: list[tuple[dict, str, torch.Tensor]] = []
         self._state: dict[str, torch.Tensor] = {}
 
-    def read(self) -> tuple[dict[str, torch.Tensor], tuple[bool, ...]]:
-        """Parameters and buffers by qualified name, and the training flag of every submodule."""
+    def read(self) -> tuple[dict[str, torch.Tensor], tuple]:
+        """Parameters and buffers by qualified name, and the plain attributes of every
+        submodule (its training flag among them)."""
         if self._version != _structure_version or not self._current():
             self._walk()
-        return self._state, tuple(m.training for m in self._modules)
+        return self._state, tuple(
+            tuple(item for item in m.__dict__.items() if _is_plain(item[1]))
+            for m in self._modules
+        )
 
     def _current(self) -> bool:
         return all(owner.get(name) is tensor for owner, name, tensor in self._owners)
@@ -59,3 +68,12 @@ class ModuleState:
             owners.append((table, name, tensor))
         self._owners = owners
         self._state = state
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _is_plain(value: object) -> bool:
+    if type(value) in _PLAIN:
+        return True
+    return type(value) is tuple and all(type(v) in _PLAIN for v in value)

@@ -1,74 +1,75 @@
-"""The runtime of one lazy module: decides which graph serves a call, and runs it.
+"""The runtime of one lazy module: decides which graphs serve a call, and runs them.
 
-Deciding (signature -> exported graph, mask -> backward graph, policy -> what to stash) is kept
-here; running graphs is `session.py`'s job, building them `export.py`'s and `gradient.py`'s.
+Deciding is kept here: the call's signature, whether its graphs exist, the mask the forward
+plans for (the policy), building a pair for a new mask, fallback. Building is `capture`'s job,
+checking `verify`'s, running `GraphPair`'s and `Step`'s.
+
+The life of a signature: its first call runs in eager PyTorch (its grad mask is not known yet),
+with a `MaskProbe` on the outputs; at that step's backward the mask is known and the one pair of
+graphs for it is built. From the next call on, the forward runs in ORT with the graphs of the
+mask last seen, and a backward with another mask is a miss that builds (or finds) its pair.
+An inference call (no grad) builds its forward graph right after its first, eager, call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
+import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
-import onnx
 import torch
 
-from lazygrad import disk_cache, onnx_graph, stash
+from lazygrad import disk_cache
+from lazygrad.capture import CaptureError, capture, export
+from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, LazygradError, explain_bad_input
-from lazygrad.export import ExportedGraph, ExportError, eager_mode, export_module, in_eager_mode
-from lazygrad.function import LazyFunction
-from lazygrad.gradient import (
-    BackwardGraph,
-    GradientError,
-    build_backward,
-    differentiable_outputs,
-    hoisted_type,
-)
+from lazygrad.function import LazyFunction, MaskProbe
 from lazygrad.graph_cache import GraphCache
+from lazygrad.graph_pair import GraphPair
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
-from lazygrad.session import GraphRunError, GraphSession
-from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
+from lazygrad.session import GraphRunError
+from lazygrad.signature import FlatCall, OutputTemplate, Signature, flatten, flatten_call, signature_of
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step
-
-
-@dataclasses.dataclass
-class SignatureEntry:
-    """Everything known about one input signature: its graph, what is trainable, what to stash."""
-
-    exported: ExportedGraph
-    types: dict[str, onnx.TypeProto]
-    trainable: list[str]  # graph inputs whose tensors require grad
-    differentiable: tuple[bool, ...]  # per graph output
-    available: set[str]  # forward tensors a backward graph may read instead of recomputing
-    random: tuple[str, ...]  # outputs of random ops: always stashed, never recomputed
-    prediction: tuple[bool, ...]  # the mask the next backward is expected to have
-    fingerprint: str  # content hash of the forward graph: the on-disk cache key's root
-    # Shape nodes hoisted out of backward graphs, by output: the forward runs those it stashes.
-    hoisted: dict[str, onnx.NodeProto] = dataclasses.field(default_factory=dict)
-    sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class BackwardEntry:
-    graph: BackwardGraph
-    stats: EntryStats
-    stash: tuple[str, ...]  # what a forward keeps for this graph: planned once, read every step
-    sessions: dict[Hashable, GraphSession] = dataclasses.field(default_factory=dict)
-
+from lazygrad.verify import VerificationError, verify
 
 ORIGINAL_FORWARD = "_lazygrad_original_forward"
+Mask = tuple[bool, ...]
 
 
-def original_forward(cls: type) -> Callable:
+def original_forward(cls: type) -> Any:
     """The forward a lazy class (or a class with a lazy instance) had before it was made lazy."""
     for klass in cls.__mro__:
         if "forward" in klass.__dict__:
             return klass.__dict__.get(ORIGINAL_FORWARD, klass.__dict__["forward"])
     raise TypeError(f"lazygrad: {cls.__name__} defines no forward")
+
+
+@dataclasses.dataclass
+class SignatureEntry:
+    """What is known about one input signature once its first call has run."""
+
+    id: str  # short name in the statistics
+    call: FlatCall  # the call's structure and constants (no tensors)
+    template: OutputTemplate
+    differentiable: Mask  # per flat tensor output: eager's requires_grad
+    state_names: list[str]
+    plan: Mask | None = None  # the mask the forward stashes for; None until a backward
+
+
+@dataclasses.dataclass
+class PairEntry:
+    pair: GraphPair
+    stats: EntryStats
+
+
+class BuildFailed(Exception):
+    """Graphs for a signature could not be built or checked: the signature falls back."""
 
 
 class Runtime:
@@ -84,9 +85,10 @@ class Runtime:
         self._state = ModuleState(self.module)
         self._lock = threading.RLock()
         self.stats = Stats()
-        self._signatures = GraphCache(self.options.cache_size, self._count_eviction)
+        self._entries: dict[Signature, SignatureEntry] = {}
+        self._pairs = GraphCache(self.options.cache_size, self._count_eviction)
         self._fallbacks: dict[Signature, str] = {}
-        self._backward = GraphCache(self.options.cache_size, self._count_eviction)
+        self._ids = itertools.count()
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -100,19 +102,19 @@ class Runtime:
 
     def clear(self) -> None:
         with self._lock:
-            self._signatures.clear()
-            self._backward.clear()
+            self._entries.clear()
+            self._pairs.clear()
             self._fallbacks.clear()
 
     def reset_stats(self) -> None:
         with self._lock:
             self.stats = Stats()
-            for entry in self._backward.values():
+            for entry in self._pairs.values():
                 entry.stats.hits = 0
 
     def snapshot(self) -> Stats:
         with self._lock:
-            entries = [dataclasses.replace(e.stats) for e in self._backward.values()]
+            entries = [dataclasses.replace(e.stats) for e in self._pairs.values()]
             return dataclasses.replace(self.stats, entries=entries)
 
     def _count_eviction(self, key: Hashable, value: Any) -> None:
@@ -124,8 +126,6 @@ class Runtime:
         if in_eager_mode():
             return self._eager(args, kwargs)
         call = flatten_call(args, kwargs)
-        # The state is read under the lock because an export (in another thread) swaps the
-        # module's parameters for trace tensors while it runs.
         with self._lock:
             state, modes = self._state.read()
             signature = signature_of(call, state, modes)
@@ -134,229 +134,271 @@ class Runtime:
     def _call(
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
     ) -> Any:
-        """Run the call on the graph of `signature`, exported first if the signature is new."""
-        try:
-            # Exporting under the lock makes two threads that meet a new signature export once.
-            with self._lock:
-                fell_back = signature in self._fallbacks
-                entry = None if fell_back else (
-                    self._signatures.get(signature) or self._prepare(signature, call, state)
-                )
-        except (ExportError, GradientError) as error:
-            return self._fall_back(signature, args, kwargs, error)
-        if entry is None:
+        with self._lock:
+            reason = self._fallbacks.get(signature)
+            entry = self._entries.get(signature)
+            plan = (entry.plan if signature.grad else None) if entry is not None else None
+            found = self._pairs.get((signature, plan)) if entry is not None else None
+        if reason is not None:
             return self._eager(args, kwargs)
-        if entry.exported.static_shapes and signature.shapes is None:
-            # The trace baked sizes in: one graph per set of sizes.
+        if found is None:
+            return self._first_call(signature, call, state, args, kwargs)
+        primals = [*state.values(), *call.tensors]
+        pair = found.pair
+        env = pair.sizes(primals)
+        if not pair.holds_for(env):
+            # The trace assumed something of the sizes that this call breaks: exact sizes.
             return self._call(signature.with_shapes(call.tensors), call, state, args, kwargs)
-        return self._run(entry, signature, call, state, args, kwargs)
-
-    def _run(
-        self,
-        entry: SignatureEntry,
-        signature: Signature,
-        call: FlatCall,
-        state: dict,
-        args: tuple,
-        kwargs: dict,
-    ) -> Any:
-        inputs = _graph_feeds(entry.exported, state, call)
-        device = _common_device(entry.exported.graph_inputs, inputs)
+        device = _common_device(entry.state_names, primals)
         try:
-            if self._needs_grad(entry):
-                step = Step(self, signature, entry, device)
-                outputs = LazyFunction.apply(step, *inputs)
+            if signature.grad:
+                outputs = LazyFunction.apply(self._step(signature, entry, pair, env, device),
+                                             *primals)
             else:
-                session = self.session(
-                    entry.sessions,
-                    ("forward", ()),
-                    lambda: stash.forward_graph(entry, ()),
-                    device,
-                    entry,
-                )
-                outputs = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
+                with self._lock:
+                    found.stats.hits += 1
+                outputs = self._infer(pair, primals, env, device)
         except GraphRunError as error:
-            return self._fall_back(signature, args, kwargs, error)
-        return entry.exported.outputs.rebuild(list(outputs))
+            return self._fall_back(signature, call, args, kwargs, str(error))
+        return entry.template.rebuild(list(outputs))
 
-    def _needs_grad(self, entry: SignatureEntry) -> bool:
-        # As ORTModule does: eval mode and no_grad run the plain inference graph.
-        return (
-            torch.is_grad_enabled()
-            and self.module.training
-            and bool(entry.trainable)
-            and any(entry.differentiable)
+    def _step(self, signature: Signature, entry: SignatureEntry, pair: GraphPair,
+              env: dict[str, int], device: torch.device) -> Step:
+        def pair_for(mask: Mask, primals: list[torch.Tensor], cotangents: tuple) -> GraphPair:
+            return self._pair_for(signature, entry, mask, primals, cotangents, device)
+
+        def on_mask(mask: Mask) -> None:
+            if self.options.policy != "all":
+                entry.plan = mask
+
+        return Step(pair, entry.differentiable, self.options.policy, env, device, pair_for,
+                    self._count_recompute, on_mask)
+
+    def _infer(self, pair: GraphPair, primals: list[torch.Tensor], env: dict[str, int],
+               device: torch.device) -> list[torch.Tensor]:
+        results = pair.forward(primals, pair.draw(env, device), device)
+        with torch.no_grad():
+            for result, primal in pair.graphs.mutations:
+                primals[primal].copy_(results[result])
+        return pair.outputs(results, env)
+
+    def _first_call(
+        self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
+    ) -> Any:
+        """Run eagerly; remember the signature; build now (inference) or at backward."""
+        result = self._eager_or_explain(args, kwargs, call)
+        try:
+            template, tensors = OutputTemplate.of(result)
+        except ValueError as error:
+            return self._fall_back(signature, call, args, kwargs, str(error), result)
+        with self._lock:
+            self.stats.eager_steps += 1
+            entry = self._entries.get(signature)
+            if entry is None:
+                entry = self._entries[signature] = SignatureEntry(
+                    id=f"s{next(self._ids)}",
+                    call=call.without_tensors(),
+                    template=template,
+                    differentiable=tuple(t.requires_grad for t in tensors),
+                    state_names=list(state),
+                )
+        primals = [*state.values(), *call.tensors]
+        device = _common_device(entry.state_names, primals)
+        if not signature.grad:
+            try:
+                self._pair_for(signature, entry, None, primals, None, device)
+            except BuildFailed as failure:
+                return self._fall_back(signature, call, args, kwargs, str(failure), result)
+            return result
+        probed = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if not probed:
+            return result
+        probe = _FirstBackward(self, signature, entry, primals, len(tensors), probed, device)
+        for index, tensor in zip(probed, MaskProbe.apply(probe, *(tensors[i] for i in probed))):
+            tensors[index] = tensor
+        return template.rebuild(tensors)
+
+    def first_backward(self, signature: Signature, entry: SignatureEntry, mask: Mask,
+                       primals: list[torch.Tensor], cotangents: tuple,
+                       device: torch.device) -> None:
+        """A first step's gradients arrived: build the graphs its mask (or the plan) needs."""
+        if not any(mask):
+            return
+        wanted = entry.differentiable if self.options.policy == "all" else mask
+        try:
+            self._pair_for(signature, entry, wanted, primals,
+                           cotangents if wanted == mask else None, device)
+        except BuildFailed as failure:
+            self._record_fallback(signature, str(failure))
+            return
+        with self._lock:
+            entry.plan = wanted
+
+    # ---- graphs ------------------------------------------------------------------------------
+
+    def _pair_for(
+        self,
+        signature: Signature,
+        entry: SignatureEntry,
+        mask: Mask | None,
+        primals: list[torch.Tensor],
+        cotangents: tuple | None,
+        device: torch.device,
+    ) -> GraphPair:
+        """The pair for (signature, mask): a hit, or a miss that builds it (under the lock, so
+        two threads meeting a new mask build it once). None mask: the inference graph."""
+        key = (signature, mask)
+        with self._lock:
+            found = self._pairs.get(key)
+            if found is not None:
+                if mask is not None:
+                    self.stats.hits += 1
+                found.stats.hits += 1
+                return found.pair
+            if mask is not None:
+                self.stats.misses += 1
+            built = self._build(signature, entry, mask, primals, cotangents, device)
+            if not any(s == signature for s, _ in self._pairs.keys()):
+                self.stats.exports += 1
+            self._pairs[key] = built
+            return built.pair
+
+    def _build(
+        self,
+        signature: Signature,
+        entry: SignatureEntry,
+        mask: Mask | None,
+        primals: list[torch.Tensor],
+        cotangents: tuple | None,
+        device: torch.device,
+    ) -> PairEntry:
+        started = time.perf_counter()
+        try:
+            captured = capture(
+                self.module,
+                self.forward_fn,
+                entry.state_names,
+                primals,
+                entry.call.rebuild,
+                lambda result: flatten(result)[0],
+                mask,
+                recompute=self.options.policy == "recompute",
+                static_shapes=signature.shapes is not None,
+            )
+            if mask is not None and any(
+                bit and traced != eager
+                for bit, traced, eager in zip(mask, captured.differentiable, entry.differentiable)
+            ):
+                raise CaptureError(
+                    "the trace and eager PyTorch disagree on which outputs carry a gradient "
+                    f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
+                )
+            key = captured.fingerprint(mask, self.options.policy == "recompute",
+                                       disk_cache.versions())
+            graphs = self._disk.load(key) if self._disk else None
+            from_disk = graphs is not None
+            if graphs is None:
+                graphs = export(captured)
+            pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
+            if not from_disk:
+                checked = time.perf_counter()
+                verify(captured, pair, primals, cotangents, device)
+                graphs.seconds["check"] = time.perf_counter() - checked
+                if self._disk:
+                    self._disk.store(key, graphs)
+        except (CaptureError, VerificationError, GraphRunError) as error:
+            raise BuildFailed(str(error)) from error
+        if from_disk:
+            self.stats.disk_hits += 1
+        else:
+            self.stats.builds += 1
+        stats = EntryStats(
+            mask=mask,
+            forward=entry.id,
+            build_seconds=0.0 if from_disk else time.perf_counter() - started,
+            phases=dict(graphs.seconds),
+            from_disk=from_disk,
         )
+        return PairEntry(pair, stats)
+
+    def _count_recompute(self) -> None:
+        with self._lock:
+            self.stats.recomputes += 1
+
+    # ---- eager -------------------------------------------------------------------------------
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
         with eager_mode():
             return self.forward_fn(self.module, *args, **kwargs)
 
-    def _fall_back(self, signature: Signature, args: tuple, kwargs: dict, error: Exception) -> Any:
-        """Run eagerly; if eager fails too the input is bad, and eager's error is the one raised
-        (with the culprit input and its expected dtype/device/rank in front where they differ
-        from the exported signature: `errors.explain_bad_input`)."""
+    def _eager_or_explain(self, args: tuple, kwargs: dict, call: FlatCall) -> Any:
+        """Eager's result; if eager fails, the input was bad: eager's error, with the culprit
+        input and its expected dtype/device/rank in front (`errors.explain_bad_input`)."""
         try:
-            result = self._eager(args, kwargs)
+            return self._eager(args, kwargs)
         except Exception as eager_error:
             with self._lock:
-                known = list(self._signatures.keys())
-            explained = explain_bad_input(eager_error, flatten_call(args, kwargs), self.forward_fn,
-                                          known, self._state.read()[0])
+                known = list(self._entries.keys())
+            explained = explain_bad_input(eager_error, call, self.forward_fn, known,
+                                          self._state.read()[0])
             if explained is None:
                 raise
             raise explained from eager_error
-        reason = f"{type(self.module).__name__}: {error}"
-        if self.options.strict:
-            raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}") from error
-        with self._lock:
-            if signature not in self._fallbacks:
-                self._fallbacks[signature] = reason
-                self._signatures.pop(signature, None)
-                self.stats.fallbacks += 1
-                warnings.warn(
-                    f"lazygrad falls back to eager PyTorch for this input signature: {reason}",
-                    FallbackWarning,
-                    stacklevel=4,
-                )
+
+    def _fall_back(self, signature: Signature, call: FlatCall, args: tuple, kwargs: dict,
+                   reason: str, result: Any = None) -> Any:
+        """Run eagerly (unless `result` is eager's already) and record the fallback."""
+        if result is None:
+            result = self._eager_or_explain(args, kwargs, call)
+        self._record_fallback(signature, reason)
         return result
 
-    # ---- graphs ------------------------------------------------------------------------------
-
-    def _prepare(self, signature: Signature, call: FlatCall, state: dict) -> SignatureEntry:
-        """Export the signature's forward graph and plan its first backward."""
-        exported = export_module(self.module, self.forward_fn, state, call)
-        types = onnx_graph.tensor_types(exported.model)
-        feeds = dict(zip(exported.graph_inputs, _graph_feeds(exported, state, call)))
-        trainable = [
-            name for name, tensor in feeds.items()
-            if tensor.requires_grad and tensor.is_floating_point()
-        ]
-        differentiable_names = set(differentiable_outputs(exported.model, trainable, types))
-        differentiable = tuple(name in differentiable_names for name in exported.graph_outputs)
-        random = onnx_graph.random_outputs(exported.model.graph.node)
-        entry = SignatureEntry(
-            exported=exported,
-            types=types,
-            trainable=trainable,
-            differentiable=differentiable,
-            available=stash.readable_by_backward(self.options.policy, exported, random),
-            random=tuple(sorted(random)),
-            prediction=differentiable,
-            fingerprint=disk_cache.fingerprint(exported.model),
+    def _record_fallback(self, signature: Signature, reason: str) -> None:
+        reason = f"{type(self.module).__name__}: {reason}"
+        if self.options.strict:
+            raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
+        with self._lock:
+            if signature in self._fallbacks:
+                return
+            self._fallbacks[signature] = reason
+            self.stats.fallbacks += 1
+            for key in [k for k in self._pairs.keys() if k[0] == signature]:
+                self._pairs.pop(key, None)
+        warnings.warn(
+            f"lazygrad falls back to eager PyTorch for this input signature: {reason}",
+            FallbackWarning,
+            stacklevel=5,
         )
-        # A trace that baked sizes in serves these sizes only: it is filed under them, and the
-        # size-free key marks the signature as one that needs sizes (see `_call`).
-        key = signature.with_shapes(call.tensors) if exported.static_shapes else signature
-        with self._lock:
-            self.stats.exports += 1
-            if trainable and any(differentiable):
-                # Builds the graph of the all-outputs mask: it plans the first step's stash and
-                # proves the signature differentiable before anything runs through ORT.
-                self.backward_entry(key, entry, differentiable, count=False)
-            self._signatures[key] = entry
-            self._signatures.setdefault(signature, entry)
-        return entry
-
-    def backward_entry(
-        self,
-        signature: Signature,
-        entry: SignatureEntry,
-        mask: tuple[bool, ...],
-        count: bool,
-    ) -> BackwardEntry:
-        """The cached backward graph for `mask`, built on a miss. `count`: a real lookup."""
-        key = (signature, mask)
-        with self._lock:
-            found = self._backward.get(key)
-            if found is not None:
-                if count:
-                    self.stats.hits += 1
-                    found.stats.hits += 1
-                return found
-            if count:
-                self.stats.misses += 1
-            outputs = [n for n, bit in zip(entry.exported.graph_outputs, mask) if bit]
-            disk_key = disk_cache.cache_key(
-                entry.fingerprint, outputs, entry.trainable, self.options.policy
-            )
-            graph = self._disk.load(disk_key) if self._disk else None
-            from_disk = graph is not None
-            if graph is not None:
-                self.stats.disk_hits += 1
-            else:
-                graph = build_backward(
-                    entry.exported.model, outputs, entry.trainable, entry.available, entry.types
-                )
-                self.stats.builds += 1
-                if self._disk:
-                    self._disk.store(disk_key, graph)
-            for node in graph.forward_nodes:
-                entry.hoisted[node.output[0]] = node
-                entry.types[node.output[0]] = hoisted_type(node)
-            stats = EntryStats(
-                mask=mask,
-                forward=entry.fingerprint[:8],
-                build_seconds=graph.build_seconds,
-                from_disk=from_disk,
-            )
-            inputs = set(entry.exported.graph_inputs)
-            kept = {name for name in graph.reads if name not in inputs} | set(entry.random)
-            built = BackwardEntry(graph, stats, tuple(sorted(kept)))
-            self._backward[key] = built
-            return built
-
-    def session(
-        self,
-        sessions: dict[Hashable, GraphSession],
-        key: Hashable,
-        model: Callable[[], onnx.ModelProto],
-        device: torch.device,
-        entry: SignatureEntry,
-    ) -> GraphSession:
-        """The session for `key` on `device` in `sessions`, made from `model()` the first time."""
-        key = (key, _device_key(device))
-        with self._lock:
-            found = sessions.get(key)
-            if found is None:
-                state = frozenset(entry.exported.graph_inputs[: len(entry.exported.state_names)])
-                found = sessions[key] = GraphSession(model(), device, persistent=state)
-            return found
-
-    def count_recompute(self) -> None:
-        with self._lock:
-            self.stats.recomputes += 1
-
-    def plan_stash(self, signature: Signature, entry: SignatureEntry) -> tuple[str, ...]:
-        """Forward tensors (intermediates and outputs) to keep for the expected backward."""
-        if self.options.policy == "recompute":
-            return entry.random
-        mask = entry.differentiable if self.options.policy == "all" else entry.prediction
-        return self.backward_entry(signature, entry, mask, count=False).stash
 
 
-def _graph_feeds(
-    exported: ExportedGraph, state: dict[str, torch.Tensor], call: FlatCall
-) -> list[torch.Tensor]:
-    tensors = call.tensors
-    return [state[n] for n in exported.state_names] + [tensors[i] for i in exported.input_positions]
+class _FirstBackward:
+    """The probe of a first step: at its backward, the runtime builds for the mask seen."""
+
+    def __init__(self, runtime: Runtime, signature: Signature, entry: SignatureEntry,
+                 primals: list[torch.Tensor], count: int, probed: list[int],
+                 device: torch.device) -> None:
+        self.runtime, self.signature, self.entry = runtime, signature, entry
+        self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
+        self.count, self.probed, self.device = count, probed, device
+
+    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        cotangents: list[torch.Tensor | None] = [None] * self.count
+        for index, grad in zip(self.probed, grads):
+            cotangents[index] = grad
+        mask = tuple(c is not None for c in cotangents)
+        self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
+                                    tuple(cotangents), self.device)
 
 
 def _common_device(names: list[str], tensors: list[torch.Tensor]) -> torch.device:
     if not tensors:
         return torch.device("cpu")
     device = tensors[0].device
-    for name, tensor in zip(names, tensors):
+    for index, tensor in enumerate(tensors):
         if tensor.device != device:
+            name = names[index] if index < len(names) else f"argument tensor {index - len(names)}"
             raise ValueError(
-                f"lazygrad: '{names[0]}' is on {device} but '{name}' is on {tensor.device}; "
-                "all inputs and parameters of a lazy module must be on one device"
+                f"lazygrad: '{name}' is on {tensor.device} but the module's first tensor is on "
+                f"{device}; all inputs and parameters of a lazy module must be on one device"
             )
     return device
-
-
-def _device_key(device: torch.device) -> Hashable:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
-    return (device.type, device.index)

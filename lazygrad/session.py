@@ -155,14 +155,28 @@ def _to_tensors(values: ort_c.OrtValueVector) -> list[torch.Tensor]:
             if not values[index].has_value():
                 raise _MissingOutput(index) from None
         raise
-    for index in values.bool_tensor_indices():
-        tensors[index] = tensors[index].view(torch.bool)  # DLPack carries ORT bool as uint8
+    if _BOOL_AS_UINT8:
+        for index in values.bool_tensor_indices():
+            tensors[index] = tensors[index].view(torch.bool)  # DLPack carried it as uint8
     return tensors
+
+
+def _bool_as_uint8() -> bool:
+    """Before onnxruntime 1.32, DLPack carried bool as uint8 plus a flag, both ways."""
+    try:
+        ort_c.OrtValue.from_dlpack(to_dlpack(torch.zeros(1, dtype=torch.bool)))
+    except TypeError:
+        return True
+    return False
+
+
+_BOOL_AS_UINT8 = _bool_as_uint8()
 
 
 def _to_ortvalue(tensor: torch.Tensor) -> ort_c.OrtValue:
     tensor = tensor.detach().contiguous()
+    if not _BOOL_AS_UINT8:
+        return ort_c.OrtValue.from_dlpack(to_dlpack(tensor))
     if tensor.dtype == torch.bool:
-        # ORT 1.19's DLPack reader knows bool only as uint8 plus a flag.
         return ort_c.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
     return ort_c.OrtValue.from_dlpack(to_dlpack(tensor), False)

@@ -1,11 +1,12 @@
-"""Flatten a call's arguments and key it: what decides whether an exported graph can be reused.
+"""Flatten a call's arguments and key it: what decides whether a captured graph can be reused.
 
-A graph exported for one call serves another call when the two agree on the train/eval flags and
-the autocast state, on the structure of the arguments, on every tensor's dtype, rank, device and
-requires_grad, on every non-tensor argument's value, and on the parameters' dtypes, devices and
-requires_grad. Sizes are
-not part of the key: graphs are exported with dynamic axes (see `export.py`), unless the trace
-showed that sizes were baked in, in which case the runtime adds them (`with_shapes`).
+A graph captured for one call serves another call when the two agree on the modules' plain
+attributes (train/eval flags among them), grad mode, the autocast state, the structure of the
+arguments, every tensor's dtype, rank, device, requires_grad and which of its sizes are 0 or 1,
+every non-tensor argument's value, and the parameters' dtypes, shapes, devices and
+requires_grad. Other sizes are not part of the key: graphs are traced with symbolic sizes, and
+the conditions the trace put on them are checked per call (`GraphPair.holds_for`); a call that
+breaks them gets a graph for its exact sizes (`with_shapes`).
 """
 
 from __future__ import annotations
@@ -25,22 +26,33 @@ class TensorMeta(NamedTuple):
     ndim: int
     device: torch.device
     requires_grad: bool
+    # Sizes 0 and 1 are traced as constants (a size-1 dimension broadcasts), others as symbols:
+    # which dimensions are 0 or 1 is part of the key (-1 stands for "2 or more").
+    small_sizes: tuple[int, ...]
+
+
+class StateMeta(NamedTuple):
+    dtype: torch.dtype
+    shape: torch.Size
+    device: torch.device
+    requires_grad: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-    modes: tuple[bool, ...]  # train/eval flag of every submodule
+    modes: tuple  # plain attributes of every submodule, its train/eval flag among them
+    grad: bool  # autograd records this call (grad mode on and something requires grad)
     autocast: tuple[tuple[str, bool, torch.dtype], ...]  # the trace records autocast's casts
     structure: pytree.TreeSpec
     tensors: tuple[TensorMeta, ...]
     constants: tuple[Hashable, ...]
-    state: tuple[TensorMeta, ...]
+    state: tuple[StateMeta, ...]
     shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         # A signature is hashed by every cache lookup of a call: once is enough.
-        fields = (self.modes, self.autocast, self.structure, self.tensors, self.constants,
-                  self.state, self.shapes)
+        fields = (self.modes, self.grad, self.autocast, self.structure, self.tensors,
+                  self.constants, self.state, self.shapes)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -61,6 +73,13 @@ class FlatCall:
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.leaves[i] for i in self.tensor_positions]
+
+    def without_tensors(self) -> FlatCall:
+        """The call's structure and constants, holding none of its tensors."""
+        leaves = list(self.leaves)
+        for position in self.tensor_positions:
+            leaves[position] = None
+        return FlatCall(leaves, self.structure, self.tensor_positions)
 
     def rebuild(self, tensors: list[Any]) -> tuple[tuple, dict]:
         """The (args, kwargs) of the call with its tensor leaves replaced by `tensors`."""
@@ -112,27 +131,41 @@ def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
 
 
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tensor.dtype, tensor.dim(), tensor.device, tensor.requires_grad)
+    return TensorMeta(
+        tensor.dtype,
+        tensor.dim(),
+        tensor.device,
+        tensor.requires_grad,
+        tuple(size if size < 2 else -1 for size in tensor.shape),
+    )
 
 
-def signature_of(
-    call: FlatCall, state: dict[str, torch.Tensor], modes: tuple[bool, ...]
-) -> Signature:
+def state_meta(tensor: torch.Tensor) -> StateMeta:
+    return StateMeta(tensor.dtype, tensor.shape, tensor.device, tensor.requires_grad)
+
+
+def signature_of(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> Signature:
     constants = tuple(
         _hashable(leaf, i)
         for i, leaf in enumerate(call.leaves)
         if not isinstance(leaf, torch.Tensor)
     )
+    tensors = tuple(tensor_meta(t) for t in call.tensors)
+    states = tuple(state_meta(t) for t in state.values())
+    grad = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in tensors) or any(t.requires_grad for t in states)
+    )
     return Signature(
         modes=modes,
+        grad=grad,
         autocast=tuple(
             (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
             for device in ("cpu", "cuda")
         ),
         structure=call.structure,
-        tensors=tuple(tensor_meta(t) for t in call.tensors),
+        tensors=tensors,
         constants=constants,
-        state=tuple(tensor_meta(t) for t in state.values()),
+        state=states,
     )
 
 
@@ -146,3 +179,52 @@ def _hashable(value: Any, position: int) -> Hashable:
             "must be hashable so the graph can be looked up again"
         ) from None
     return (type(value), value)
+
+
+# Non-tensor output leaves returned as they were: values that cannot hide a tensor.
+PLAIN_OUTPUT_TYPES = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size
+)
+
+
+@dataclasses.dataclass
+class OutputTemplate:
+    """How to rebuild the module's return value from its flat tensor outputs."""
+
+    structure: pytree.TreeSpec
+    constants: dict[int, Any]  # leaf position -> non-tensor leaf
+    tensor_positions: list[int]
+
+    def __post_init__(self) -> None:
+        # `return a, b, c` of tensors, the common case, is rebuilt without pytree.
+        self.plain_tuple = (
+            self.structure.type is tuple
+            and not self.constants
+            and all(child.is_leaf() for child in self.structure.children())
+        )
+
+    @classmethod
+    def of(cls, result: Any) -> tuple[OutputTemplate, list[torch.Tensor]]:
+        """The template of a forward's result, and its tensors; ValueError where a leaf is
+        neither a tensor nor a plain value (it may hide tensors a graph cannot return)."""
+        leaves, structure = flatten(result)
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        for leaf in constants.values():
+            if not isinstance(leaf, PLAIN_OUTPUT_TYPES):
+                raise ValueError(
+                    f"the forward returns a {type(leaf).__name__}, which is neither a tensor, a "
+                    "plain value nor a pytree container (tuple, list, dict, dataclass, or a type "
+                    "registered with torch.utils._pytree)"
+                )
+        return cls(structure, constants, positions), [leaves[i] for i in positions]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        if self.plain_tuple:
+            return tuple(tensors)
+        leaves: list[Any] = [None] * (len(self.constants) + len(self.tensor_positions))
+        for position, value in self.constants.items():
+            leaves[position] = value
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.structure)

@@ -7,12 +7,13 @@ import dataclasses
 
 @dataclasses.dataclass
 class EntryStats:
-    """One cached backward graph."""
+    """One cached pair of graphs: a forward and the backward of one grad mask."""
 
-    mask: tuple[bool, ...]
-    forward: str = ""  # which forward graph (input signature) it belongs to: a content hash prefix
+    mask: tuple[bool, ...] | None  # None: an inference graph (no backward)
+    forward: str = ""  # which input signature it serves: a short id
     hits: int = 0
-    build_seconds: float = 0.0
+    build_seconds: float = 0.0  # trace + export + check (0 when loaded from disk)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage
     from_disk: bool = False
 
 
@@ -20,14 +21,16 @@ class EntryStats:
 class Stats:
     """Counters of one lazy model since it was made or since `reset_stats`.
 
-    hits / misses: backward lookups that found / did not find a graph for their (signature, mask).
-    builds: backward graphs built (a miss builds one; so does planning the stash of a new
-    signature under the "predict" and "all" policies, for the mask of all outputs).
-    fallbacks: signatures that could not be exported or differentiated and run in eager PyTorch.
-    recomputes: backward steps that had to recompute intermediates the forward did not stash.
-    disk_hits: graphs loaded from the on-disk cache instead of being built.
-    evictions: graphs dropped by the LRU cache (`cache_size`).
-    exports: forward graphs exported (one per input signature).
+    hits / misses: backward lookups that found / did not find the graphs of their
+    (signature, mask); a miss builds them (or loads them from disk).
+    builds: graph pairs captured, exported and checked; disk_hits: pairs loaded from disk.
+    exports: input signatures that got graphs (one per signature, whatever its masks).
+    eager_steps: calls run in eager PyTorch because their signature or mask had no graphs yet
+    (the first step of each signature: its grad mask is known only at its backward).
+    fallbacks: signatures that cannot run through ORT and run in eager PyTorch for good.
+    recomputes: backward steps whose mask differed from the forward's plan, so the forward of
+    the actual mask was rerun from the saved inputs and draws.
+    evictions: pairs dropped by the LRU cache (`cache_size`).
     """
 
     hits: int = 0
@@ -38,6 +41,7 @@ class Stats:
     disk_hits: int = 0
     evictions: int = 0
     exports: int = 0
+    eager_steps: int = 0
     entries: list[EntryStats] = dataclasses.field(default_factory=list)
 
     @property
@@ -48,16 +52,18 @@ class Stats:
     def __str__(self) -> str:
         counters = (
             f"hits={self.hits} misses={self.misses} hit_rate={self.hit_rate:.1%} "
-            f"builds={self.builds} exports={self.exports} fallbacks={self.fallbacks} "
-            f"recomputes={self.recomputes} disk_hits={self.disk_hits} "
-            f"evictions={self.evictions}"
+            f"builds={self.builds} exports={self.exports} eager_steps={self.eager_steps} "
+            f"fallbacks={self.fallbacks} recomputes={self.recomputes} "
+            f"disk_hits={self.disk_hits} evictions={self.evictions}"
         )
-        rows = [f"{'forward':<10}{'mask':<24}{'hits':>8}{'build ms':>12}{'source':>8}"]
+        rows = [f"{'forward':<10}{'mask':<24}{'hits':>8}{'build s':>10}{'source':>8}"]
         for entry in self.entries:
-            mask = "".join("1" if bit else "0" for bit in entry.mask)
+            mask = "inference" if entry.mask is None else "".join(
+                "1" if bit else "0" for bit in entry.mask
+            )
             source = "disk" if entry.from_disk else "built"
             rows.append(
                 f"{entry.forward:<10}{mask:<24}{entry.hits:>8}"
-                f"{entry.build_seconds * 1e3:>12.1f}{source:>8}"
+                f"{entry.build_seconds:>10.2f}{source:>8}"
             )
         return "\n".join([counters, *rows])

@@ -1,91 +1,115 @@
-"""One call of a lazy module that records autograd: its forward, then maybe its backward.
+"""One call of a lazy module through ONNX Runtime that records autograd: forward, then backward.
 
-The runtime decides which graphs serve the step (signature, stash plan, backward for the mask);
-the step runs them, in the order `LazyFunction` calls it.
+The runtime decides which graphs serve the step (signature, plan, the pair for a new mask) and
+hands the step what it needs; the step runs them, in the order `LazyFunction` calls it.
+
+What the forward keeps: the primals (module state and inputs; a state tensor the forward updates
+in place is kept as it was read), the random draws, and the forward results the planned
+backward reads. Under "predict", a backward whose mask differs from the plan reruns the forward
+of its own pair from these, with the same draws (never redrawn); "all" feeds zeros for outputs
+outside the mask, as ORTModule does; under "recompute" the backward graph recomputes itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from lazygrad import stash as stash_graphs
+from lazygrad.graph_pair import GraphPair
 
-if TYPE_CHECKING:
-    from lazygrad.runtime import Runtime, SignatureEntry
-    from lazygrad.signature import Signature
+# (mask, primals, cotangents) -> the pair of that mask, found or built
+PairFor = Callable[[tuple[bool, ...], list[torch.Tensor], tuple], GraphPair]
 
 
 class Step:
     def __init__(
         self,
-        runtime: Runtime,
-        signature: Signature,
-        entry: SignatureEntry,
+        pair: GraphPair,
+        differentiable: tuple[bool, ...],
+        policy: str,
+        env: dict[str, int],
         device: torch.device,
+        pair_for: PairFor,
+        on_recompute: Callable[[], None],
+        on_mask: Callable[[tuple[bool, ...]], None],
     ) -> None:
-        self.runtime = runtime
-        self.signature = signature
-        self.entry = entry
+        self.pair = pair
+        self.policy = policy
+        self.env = env
         self.device = device
-        self.differentiable = entry.differentiable
-        self.stash: tuple[str, ...] = ()
+        self.differentiable = differentiable
+        self._pair_for = pair_for
+        self._on_recompute = on_recompute
+        self._on_mask = on_mask
+        self._layout: tuple[int, int, list[int]] = (0, 0, [])  # primals, draws, results kept
+        self._output_types: list[tuple[torch.Size, torch.dtype]] = []
 
     def forward(
-        self, inputs: tuple[torch.Tensor, ...]
+        self, primals: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Run the forward graph that also returns the planned stash; save inputs and stash."""
-        runtime, entry = self.runtime, self.entry
-        self.stash = planned = runtime.plan_stash(self.signature, entry)
-        session = runtime.session(
-            entry.sessions,
-            ("forward", planned),
-            lambda: stash_graphs.forward_graph(entry, planned),
-            self.device,
-            entry,
-        )
-        results = session.run(dict(zip(entry.exported.graph_inputs, inputs)))
-        produced = dict(zip(session.output_names, results))
-        outputs = results[: len(entry.exported.graph_outputs)]
-        return outputs, [*inputs, *(produced[name] for name in planned)]
+        pair = self.pair
+        draws = pair.draw(self.env, self.device)
+        results = pair.forward(primals, draws, self.device)
+        outputs = pair.outputs(results, self.env)
+        kept_primals = list(primals)
+        for result, primal in pair.graphs.mutations:
+            # A rerun of the forward must read what this one read, not the updated value.
+            kept_primals[primal] = primals[primal].detach().clone()
+            with torch.no_grad():
+                primals[primal].copy_(results[result])
+        read = sorted(pair.outputs_read_by_backward)
+        self._layout = (len(primals), len(draws), read)
+        self._output_types = [(o.shape, o.dtype) for o in outputs]
+        return outputs, [*kept_primals, *draws, *(results[i] for i in read)]
 
     def backward(
         self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
-        """Gradients of the graph inputs, from the backward graph of this step's grad mask."""
-        runtime, entry = self.runtime, self.entry
-        names = entry.exported.graph_inputs
+        count, draw_count, _ = self._layout
+        primals = list(saved[:count])
+        draws = list(saved[count : count + draw_count])
         mask = tuple(g is not None for g in grads)
         if not any(mask):
-            return [None] * len(names)
-        backward = runtime.backward_entry(self.signature, entry, mask, count=True)
-        entry.prediction = mask
-        values = dict(zip([*names, *self.stash], saved))
-        missing = tuple(name for name in backward.graph.reads if name not in values)
-        if missing:
-            values.update(self._recompute(values, missing))
-        feeds = {name: values[name] for name in backward.graph.reads}
-        outputs = entry.exported.graph_outputs
-        for grad_name, output in zip(backward.graph.grad_input_names, backward.graph.grad_of):
-            feeds[grad_name] = grads[outputs.index(output)]
-        session = runtime.session(
-            backward.sessions, "backward", lambda: backward.graph.model, self.device, entry
-        )
-        results = dict(zip(backward.graph.grads_for, session.run(feeds)))
-        return [results.get(name) for name in names]
+            return [None] * count
+        if self.policy == "all":
+            return self._backward_all(primals, draws, saved[count + draw_count :], grads, mask)
+        pair = self._pair_for(mask, primals, grads)
+        self._on_mask(mask)
+        if self.policy == "recompute":
+            return pair.backward(primals, draws, [], grads, self.device)
+        if pair is self.pair:
+            results = self._results(saved[count + draw_count :])
+        else:
+            self._on_recompute()
+            results = pair.forward(primals, draws, self.device)
+        return pair.backward(primals, draws, results, grads, self.device)
 
-    def _recompute(
-        self, values: dict[str, torch.Tensor], missing: tuple[str, ...]
-    ) -> dict[str, torch.Tensor]:
-        """The prediction missed: rebuild the intermediates this mask needs from saved inputs."""
-        entry, planned = self.entry, self.stash
-        session = self.runtime.session(
-            entry.sessions,
-            ("recompute", planned, missing),
-            lambda: stash_graphs.recompute_graph(entry, planned, missing),
-            self.device,
-            entry,
-        )
-        self.runtime.count_recompute()
-        return dict(zip(missing, session.run({n: values[n] for n in session.input_names})))
+    def _backward_all(
+        self,
+        primals: list[torch.Tensor],
+        draws: list[torch.Tensor],
+        kept: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        mask: tuple[bool, ...],
+    ) -> list[torch.Tensor | None]:
+        """ORTModule's way: the one all-outputs graph, zeros for outputs without a gradient."""
+        pair = self._pair_for(self.pair.mask, primals, grads)
+        results = self._results(kept)
+        cotangents = [
+            grad if grad is not None or not wanted
+            else torch.zeros(shape, dtype=dtype, device=self.device)
+            for grad, wanted, (shape, dtype) in zip(grads, pair.mask, self._output_types)
+        ]
+        gradients = pair.backward(primals, draws, results, cotangents, self.device)
+        for primal in pair.unreached(mask):
+            gradients[primal] = None
+        return gradients
+
+    def _results(self, kept: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+        """The forward results the backward reads, at their indices (None elsewhere)."""
+        read = self._layout[2]
+        results: list[torch.Tensor | None] = [None] * (max(read, default=-1) + 1)
+        for index, tensor in zip(read, kept):
+            results[index] = tensor
+        return results

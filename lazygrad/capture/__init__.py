@@ -1,0 +1,169 @@
+"""Capture: (module, call, grad mask) -> a forward and a backward ONNX graph, with PyTorch's
+own derivative formulas.
+
+The stages, each callable alone: `trace` (AOTAutograd over functional_call on fake tensors),
+`partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
+and how to feed each graph), `to_onnx` (direct translation). `capture` runs the first three,
+`export` the last; in between, `fingerprint` keys the on-disk cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import onnx
+import torch
+import torch.fx as fx
+
+from lazygrad.capture.draws import Draw
+from lazygrad.capture.errors import CaptureError
+from lazygrad.capture import partition, symbols, tidy, to_onnx, trace
+from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
+
+__all__ = [
+    "CaptureError",
+    "Captured",
+    "Draw",
+    "Feed",
+    "Graphs",
+    "OutputSlot",
+    "apply_views",
+    "capture",
+    "export",
+    "symbols",
+]
+
+
+@dataclasses.dataclass
+class Graphs:
+    """A built (signature, mask): the two ONNX graphs and how to run them. Plain data: it is
+    what the on-disk cache stores."""
+
+    forward: onnx.ModelProto
+    backward: onnx.ModelProto | None
+    forward_feeds: list[Feed]  # per ONNX forward input, in input order
+    backward_feeds: list[Feed]  # per ONNX backward input, in input order
+    mutations: list[tuple[int, int]]  # (forward result, primal) written back after the forward
+    outputs: list[OutputSlot]  # per module output (flat tensor leaves)
+    grads_for: list[int]  # primal index of each backward output
+    grad_reach: list[list[int]]  # per backward output: outputs whose cotangents reach it
+    draws: list[Draw]
+    locations: dict[str, tuple[int, int]]  # size symbol -> (primal, dim)
+    guards: list[str]  # size conditions (Python code) under which the graphs are valid
+    differentiable: list[bool]  # per module output: requires grad in the trace
+    seconds: dict[str, float]
+
+
+@dataclasses.dataclass
+class Captured:
+    """The tidied FX pair before export: runnable in torch (the check runs it)."""
+
+    tidy: Tidy
+    draws: list[Draw]
+    locations: dict[str, tuple[int, int]]
+    guards: list[str]
+    differentiable: list[bool]
+    seconds: dict[str, float]
+
+    def fingerprint(self, *parts: object) -> str:
+        """Content hash of both graphs, their input types, constants and draws, plus `parts`."""
+        digest = hashlib.sha256()
+        for gm in (self.tidy.forward, self.tidy.backward):
+            if gm is None:
+                digest.update(b"none")
+                continue
+            digest.update(gm.code.encode())
+            for node in gm.graph.nodes:
+                if node.op == "placeholder":
+                    digest.update(repr(node.meta.get("val")).encode())
+                elif node.op == "get_attr":
+                    value = getattr(gm, node.target)
+                    if isinstance(value, torch.Tensor):
+                        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(repr((self.draws, self.guards, self.tidy.outputs, parts)).encode())
+        return digest.hexdigest()
+
+
+def capture(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    state_names: Sequence[str],
+    primals: Sequence[torch.Tensor],
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
+    flatten: Callable[[Any], list[Any]],
+    mask: Sequence[bool] | None,
+    recompute: bool = False,
+    static_shapes: bool = False,
+) -> Captured:
+    """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
+
+    `primals`: the module state (named `state_names`) then the call's tensors; `rebuild` turns
+    the call's tensors back into (args, kwargs), `flatten` a result into its leaves. `mask`
+    None: an inference graph. The module is left exactly as it was, whatever happens.
+    """
+    started = time.perf_counter()
+    fn = trace.functional(module, forward, state_names, rebuild, flatten, mask)
+    count = len(state_names)
+    dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
+    training = mask is not None and any(mask)
+    with trace.unchanged(module):
+        traced = trace.trace(fn, primals, dynamic, training)
+    try:
+        parts = partition.partition(traced, recompute)
+        masked = [i for i, bit in enumerate(mask or ()) if bit]
+        tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs), masked)
+    except CaptureError:
+        raise
+    except Exception as error:  # a graph shape this code has not met: never a wrong graph
+        raise CaptureError(f"cannot prepare the traced graphs: {type(error).__name__}: {error}")
+    return Captured(
+        tidy=tidied,
+        draws=parts.draws,
+        locations=traced.locations,
+        guards=traced.guards,
+        differentiable=[bool(o.requires_grad) for o in traced.outputs],
+        seconds={"trace": time.perf_counter() - started},
+    )
+
+
+def export(captured: Captured) -> Graphs:
+    """Translate both graphs to ONNX; map each ONNX input to where its value comes from."""
+    started = time.perf_counter()
+    tidied = captured.tidy
+    try:
+        forward = to_onnx.to_onnx(tidied.forward)
+        backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
+    except Exception as error:
+        raise CaptureError(f"ONNX export failed: {type(error).__name__}: {error}") from error
+    seconds = dict(captured.seconds, export=time.perf_counter() - started)
+    return Graphs(
+        forward=forward,
+        backward=backward,
+        forward_feeds=_feeds_by_name(forward, tidied.forward, tidied.forward_feeds),
+        backward_feeds=(
+            _feeds_by_name(backward, tidied.backward, tidied.backward_feeds)
+            if backward is not None and tidied.backward is not None else []
+        ),
+        mutations=tidied.mutations,
+        outputs=tidied.outputs,
+        grads_for=tidied.grads_for,
+        grad_reach=tidied.grad_reach,
+        draws=captured.draws,
+        locations=captured.locations,
+        guards=captured.guards,
+        differentiable=captured.differentiable,
+        seconds=seconds,
+    )
+
+
+def _feeds_by_name(model: onnx.ModelProto, gm: fx.GraphModule, feeds: list[Feed]) -> list[Feed]:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    by_name = dict(zip(names, feeds))
+    missing = [value.name for value in model.graph.input if value.name not in by_name]
+    if missing:
+        raise CaptureError(f"the exported graph has inputs the trace does not: {missing}")
+    return [by_name[value.name] for value in model.graph.input]

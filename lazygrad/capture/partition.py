@@ -1,0 +1,79 @@
+"""Stage 2, partition: the joint graph -> a forward graph and a backward graph.
+
+AOTAutograd's default partitioner places each op where eager autograd runs it and saves what
+the backward reads (the "predict" and "all" policies). The "recompute" policy saves nothing but
+the inputs and random draws: its backward is the forward followed by the backward, in one graph.
+Random ops are lifted out first (draws.py), so both graphs read the same draws as inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from lazygrad.capture import draws as random_draws
+from lazygrad.capture import private
+from lazygrad.capture.trace import Traced
+
+
+@dataclasses.dataclass
+class Partitioned:
+    forward: fx.GraphModule  # primals, draws -> mutated inputs, outputs, saved tensors
+    backward: fx.GraphModule | None  # saved tensors, tangents -> a gradient (or None) per primal
+    draws: list[random_draws.Draw]
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def partition(traced: Traced, recompute: bool) -> Partitioned:
+    draws = random_draws.lift(traced.joint)
+    if not traced.training:
+        return Partitioned(traced.joint, None, draws)
+    forward, backward = private.default_partition(
+        traced.joint, None, num_fwd_outputs=traced.num_forward_outputs
+    )
+    if recompute:
+        forward, backward = _recomputing(forward, backward, traced.num_forward_outputs)
+    return Partitioned(forward, backward, draws)
+
+
+def _recomputing(
+    forward: fx.GraphModule, backward: fx.GraphModule, num_forward_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward without saved tensors; the backward recomputing them from the inputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in placeholders(forward):
+        env[node] = graph.placeholder(node.name)
+        env[node].meta.update(node.meta)
+    tangents = {}
+    for node in placeholders(backward):
+        if node.name.startswith("tangents"):
+            tangents[node] = graph.placeholder(node.name)
+            tangents[node].meta.update(node.meta)
+    forward_results = graph.graph_copy(forward.graph, env)
+    produced = {
+        node.name: value
+        for node, value in zip(output_node(forward).args[0], forward_results)
+        if isinstance(node, fx.Node)
+    }
+    backward_env = {
+        node: tangents[node] if node in tangents else produced[node.name]
+        for node in placeholders(backward)
+    }
+    graph.output(graph.graph_copy(backward.graph, backward_env))
+    graph.eliminate_dead_code()
+    recomputing = fx.GraphModule(backward, graph)
+
+    output = output_node(forward)
+    output.args = (tuple(output.args[0][:num_forward_outputs]),)
+    forward.graph.eliminate_dead_code()
+    forward.recompile()
+    return forward, recomputing

@@ -1,0 +1,80 @@
+"""Every private PyTorch API lazygrad uses, in one place.
+
+AOTAutograd's tracer and partitioner, fake tensors with symbolic sizes, and the ONNX exporter's
+translator are the only ways to capture a joint forward/backward graph with PyTorch's own
+derivative formulas and to translate it without a second trace. They are private, so the
+supported torch and onnxscript versions are pinned in `pyproject.toml`, and the exactness tests
+gate any upgrade. Nothing else in lazygrad imports a private torch module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch._decomp import get_decompositions
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import default_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx.experimental import _config as fx_config
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
+from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
+from torch.utils._sympy.printers import PythonPrinter
+
+# The exporter and the symbolic-shape machinery log every specialisation and skipped torchvision
+# op at WARNING; for a runtime that traces on the user's behalf that is noise.
+for _name in (
+    "torch.onnx",
+    "torch._dynamo",
+    "torch.fx.experimental.symbolic_shapes",
+    "torch._functorch",
+    "torch.onnx._internal.exporter._registration",
+):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+__all__ = [
+    "DimDynamic",
+    "ExportGraphSignature",
+    "ExportedProgram",
+    "FakeTensorMode",
+    "GuardOnDataDependentSymNode",
+    "InputKind",
+    "InputSpec",
+    "ModuleCallEntry",
+    "ModuleCallSignature",
+    "OutputKind",
+    "OutputSpec",
+    "PythonPrinter",
+    "ShapeEnv",
+    "StatelessSymbolicContext",
+    "TensorArgument",
+    "aot_function",
+    "default_partition",
+    "fx_config",
+    "get_decompositions",
+    "onnx_constants",
+    "onnx_core",
+    "onnx_decomp",
+    "onnx_fx_passes",
+    "onnx_registration",
+]
+
+onnx_constants = _constants
+onnx_core = _core
+onnx_decomp = _decomp
+onnx_fx_passes = _fx_passes
+onnx_registration = _registration

@@ -1,0 +1,112 @@
+"""Symbolic sizes: where each size symbol can be read, and size expressions as code or FX nodes.
+
+The trace gives every dynamic input dimension a symbol (s0, s1, ...); sizes derived from them
+(a reshape to `s0 * s1`, `math.sqrt(s2 // 4)`) are sympy expressions. They are kept as Python
+source over the symbol names, so that a graph built once can be stored, loaded and evaluated
+on the sizes of any later call without sympy on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from lazygrad.capture.private import PythonPrinter
+
+aten = torch.ops.aten
+
+# symbol name -> (primal index, dimension) where its value can be read
+Locations = dict[str, tuple[int, int]]
+
+
+def is_symbolic(value: object) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def expression(value: object) -> sympy.Basic:
+    """The sympy expression of a SymInt/SymFloat/SymBool (or a plain number)."""
+    if is_symbolic(value):
+        return value.node.expr  # type: ignore[union-attr]
+    return sympy.sympify(value)
+
+
+def to_code(value: object) -> str:
+    """Python source for a size or a condition on sizes, over the symbol names."""
+    if isinstance(value, (int, float, bool)):
+        return repr(value)
+    expr = value if isinstance(value, sympy.Basic) else expression(value)
+    return PythonPrinter().doprint(expr)
+
+
+def locations(values: Sequence[object]) -> Locations:
+    """Where each symbol appears as a whole dimension of one of `values` (fake tensors)."""
+    where: Locations = {}
+    for index, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if isinstance(expr, sympy.Symbol) and expr.name not in where:
+                    where[expr.name] = (index, dim)
+    return where
+
+
+def sizes(tensors: Sequence[torch.Tensor], where: Locations) -> dict[str, int]:
+    """The value of every symbol for a call with these tensors."""
+    return {name: tensors[index].shape[dim] for name, (index, dim) in where.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def compiled(code: str, names: tuple[str, ...]) -> Callable[..., object]:
+    """`code` as a function of the symbols `names` (cached: expressions repeat every call)."""
+    return eval(f"lambda {', '.join(names)}: ({code})", {"math": math})  # noqa: S307
+
+
+def evaluate(code: str, env: dict[str, int]) -> object:
+    return compiled(code, tuple(env))(**env)
+
+
+def emit(graph: fx.Graph, value: object, where: dict[str, tuple[fx.Node, int]]) -> object:
+    """FX nodes that compute the size `value` from `sym_size` of tensor nodes in `where`.
+
+    Every new node carries `meta["val"]`: the exporter's verifier and translator read it.
+    """
+    if not is_symbolic(value):
+        return value
+    return _emit(graph, expression(value), where)
+
+
+def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, int]]) -> object:
+    def node(target: Callable, args: tuple, val: object) -> fx.Node:
+        made = graph.call_function(target, args)
+        made.meta["val"] = val
+        return made
+
+    def val(arg: object) -> object:
+        return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+    if isinstance(expr, sympy.Symbol):
+        if expr.name not in where:
+            raise NotImplementedError(f"size symbol {expr} is not a dimension of any input")
+        tensor, dim = where[expr.name]
+        return node(aten.sym_size.int, (tensor, dim), tensor.meta["val"].shape[dim])
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    if isinstance(expr, (sympy.Mul, sympy.Add)):
+        op = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+        args = [_emit(graph, arg, where) for arg in expr.args]
+        acc = args[0]
+        for arg in args[1:]:
+            acc = node(op, (acc, arg), op(val(acc), val(arg)))
+        return acc
+    if type(expr).__name__ == "FloorDiv":
+        a, b = (_emit(graph, arg, where) for arg in expr.args)
+        return node(operator.floordiv, (a, b), operator.floordiv(val(a), val(b)))
+    raise NotImplementedError(f"size expression {expr} ({type(expr).__name__})")

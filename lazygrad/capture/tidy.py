@@ -1,0 +1,287 @@
+"""Stage 3, tidy: make the forward/backward pair cheap and exportable, and say how to feed it.
+
+- A saved tensor that is a view (view, transpose, permute, select, detach ...) of another forward
+  tensor is not returned by the forward: its base is, and the backward redoes the view. In eager
+  a view shares its base's storage; as two ONNX graph outputs they would be two copies.
+- A module output that is a view of a forward tensor comes back as its base; the view is applied
+  in torch (`OutputSlot.views`), free as in eager.
+- Saved primals (parameters, inputs) and draws are fed to the backward directly, not returned.
+- Saved sizes (SymInts) are recomputed in the backward from its tensor inputs' shapes.
+- Gradients that are None are dropped; `grads_for` says which primals the others belong to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from lazygrad.capture import symbols
+from lazygrad.capture.partition import Partitioned, output_node, placeholders
+
+aten = torch.ops.aten
+
+VIEW_OPS = {
+    aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
+    aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.slice.Tensor,
+    aten.detach.default, aten.alias.default, aten.reshape.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """Where one graph input comes from at run time."""
+
+    kind: str  # "primal", "random", "saved" (a forward result) or "cotangent" (of an output)
+    index: int
+
+
+@dataclasses.dataclass
+class OutputSlot:
+    """A module output: forward result `index`, then `views` applied in torch."""
+
+    index: int
+    views: list[tuple[str, list[Any]]]  # (aten overload name, args after the base; sizes as code)
+
+
+@dataclasses.dataclass
+class Tidy:
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    forward_feeds: list[Feed]  # per forward placeholder
+    backward_feeds: list[Feed]  # per backward placeholder
+    mutations: list[tuple[int, int]]  # (forward result index, primal index) to write back
+    outputs: list[OutputSlot]
+    grads_for: list[int]  # primal index of each backward output
+    grad_reach: list[list[int]]  # per backward output: the outputs whose cotangents reach it
+
+
+def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: int,
+         masked: list[int]) -> Tidy:
+    """`masked`: the output indices that have a cotangent (the grad mask), in order."""
+    fw, bw = parts.forward, parts.backward
+    fw_inputs = placeholders(fw)
+    feed_of_fw_input = {
+        node.name: Feed("primal", i) if i < num_primals else Feed("random", i - num_primals)
+        for i, node in enumerate(fw_inputs)
+    }
+    results = list(output_node(fw).args[0])
+    n_mut = len(mutated)
+    mutation_results = results[:n_mut]
+    user = results[n_mut : n_mut + num_outputs]
+    saved = results[n_mut + num_outputs :]
+
+    sources: dict[str, fx.Node] = {}  # backward placeholder name -> the forward node it reads
+    backward_feeds: list[Feed] = []
+    grads_for: list[int] = []
+    grad_reach: list[list[int]] = []
+    if bw is not None:
+        sources = _tidy_backward(fw, bw, saved)
+    forward_results: list[fx.Node] = []
+
+    def slot(node: fx.Node) -> int:
+        if node not in forward_results:
+            forward_results.append(node)
+        return forward_results.index(node)
+
+    mutations = [(slot(node), primal) for node, primal in zip(mutation_results, mutated)]
+    outputs = []
+    for node in user:
+        base, chain = _strip_views(node)
+        if not chain or base.op == "placeholder":
+            base, chain = node, []
+        outputs.append(OutputSlot(slot(base), [_view_step(view) for view in reversed(chain)]))
+    for node in sources.values():
+        if node.op != "placeholder":
+            slot(node)  # a forward intermediate the backward reads (a base, never a view)
+    output_node(fw).args = (tuple(forward_results),)
+    fw.graph.eliminate_dead_code()
+    fw.graph.lint()
+    fw.recompile()
+
+    if bw is not None:
+        tangents = [p for p in placeholders(bw) if p.name.startswith("tangents")]
+        cotangent_of = {p.name: masked[i] for i, p in enumerate(tangents)}
+        for node in placeholders(bw):
+            if node.name in cotangent_of:
+                backward_feeds.append(Feed("cotangent", cotangent_of[node.name]))
+            elif sources[node.name].op == "placeholder":
+                backward_feeds.append(feed_of_fw_input[sources[node.name].name])
+            else:
+                backward_feeds.append(Feed("saved", forward_results.index(sources[node.name])))
+        grads = list(output_node(bw).args[0])
+        grads_for = [i for i, g in enumerate(grads[:num_primals]) if g is not None]
+        output_node(bw).args = (tuple(grads[i] for i in grads_for),)
+        bw.graph.eliminate_dead_code()
+        bw.graph.lint()
+        bw.recompile()
+        reach = _reached_by(bw, {p.name: cotangent_of[p.name] for p in tangents})
+        grad_reach = [sorted(reach.get(node, ())) for node in output_node(bw).args[0]]
+    return Tidy(
+        forward=fw,
+        backward=bw,
+        forward_feeds=[feed_of_fw_input[p.name] for p in placeholders(fw)],
+        backward_feeds=backward_feeds,
+        mutations=mutations,
+        outputs=outputs,
+        grads_for=grads_for,
+        grad_reach=grad_reach,
+    )
+
+
+def _tidy_backward(
+    fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Any]
+) -> dict[str, fx.Node]:
+    """Rewrite `bw` to read bases instead of views and sizes from shapes; return, for each of
+    its placeholders but the tangents, the forward node (input or intermediate) it reads."""
+    saved_by_name = {node.name: node for node in saved if isinstance(node, fx.Node)}
+    bw_inputs = placeholders(bw)
+    first = next(n for n in bw.graph.nodes if n.op != "placeholder")
+    fw_nodes = {node.name: node for node in fw.graph.nodes}
+    # AOTAutograd names each backward input after the forward node it is: the map starts so,
+    # and placeholders added below (whose names may be changed to stay unique) join it.
+    sources = {p.name: fw_nodes[p.name] for p in bw_inputs if not p.name.startswith("tangents")}
+    by_name = {p.name: p for p in bw_inputs}  # forward node name -> backward placeholder
+
+    def placeholder_for(base: fx.Node) -> fx.Node:
+        found = by_name.get(base.name)
+        if found is None:
+            with bw.graph.inserting_before(first):
+                found = bw.graph.placeholder(base.name)
+            found.meta.update(base.meta)
+            by_name[base.name] = found
+            sources[found.name] = base
+        return found
+
+    rewrites = []
+    for node in bw_inputs:
+        source = saved_by_name.get(node.name)
+        if source is None or symbols.is_symbolic(source.meta.get("val")):
+            continue
+        base, chain = _strip_views(source)
+        if chain:
+            rewrites.append((node, base, chain))
+            placeholder_for(base)
+
+    where = _size_sources(bw, fw, placeholder_for)
+    for node, base, chain in rewrites:
+        current = by_name[base.name]
+        with bw.graph.inserting_before(first):
+            for view in reversed(chain):
+                rest = pytree.tree_map(lambda a: symbols.emit(bw.graph, a.meta["val"], where)
+                                       if isinstance(a, fx.Node) else a,
+                                       (view.args[1:], view.kwargs))
+                made = bw.graph.call_function(view.target, (current, *rest[0]), rest[1])
+                made.meta.update(view.meta)
+                current = made
+        node.replace_all_uses_with(current)
+        if by_name.get(node.name) is node and not node.users:
+            bw.graph.erase_node(node)
+            del by_name[node.name]
+
+    for node in [p for p in placeholders(bw) if symbols.is_symbolic(p.meta.get("val"))]:
+        with bw.graph.inserting_before(first):
+            value = symbols.emit(bw.graph, node.meta["val"], where)
+        node.replace_all_uses_with(value)
+        bw.graph.erase_node(node)
+    for node in placeholders(bw):
+        if not node.users and not node.name.startswith("tangents"):
+            bw.graph.erase_node(node)
+    return {p.name: sources[p.name] for p in placeholders(bw) if p.name in sources}
+
+
+def _size_sources(bw: fx.GraphModule, fw: fx.GraphModule, placeholder_for) -> dict:
+    """symbol name -> (backward tensor input, dim); a forward input is added where needed."""
+    where = {
+        name: (bw_input, dim)
+        for name, (index, dim) in symbols.locations(
+            [p.meta.get("val") for p in placeholders(bw)]
+        ).items()
+        for bw_input in [placeholders(bw)[index]]
+    }
+    fw_inputs = placeholders(fw)
+    for name, (index, dim) in symbols.locations([p.meta.get("val") for p in fw_inputs]).items():
+        if name not in where:
+            where[name] = _LazySource(fw_inputs[index], dim, placeholder_for)
+    return _Where(where)
+
+
+class _LazySource:
+    """A forward input that carries a size symbol, added to the backward only if used."""
+
+    def __init__(self, node: fx.Node, dim: int, placeholder_for) -> None:
+        self.node, self.dim, self.placeholder_for = node, dim, placeholder_for
+
+    def resolve(self) -> tuple[fx.Node, int]:
+        return self.placeholder_for(self.node), self.dim
+
+
+class _Where(dict):
+    def __getitem__(self, key: str) -> tuple[fx.Node, int]:
+        value = super().__getitem__(key)
+        if isinstance(value, _LazySource):
+            value = value.resolve()
+            self[key] = value
+        return value
+
+
+def _strip_views(node: Any) -> tuple[Any, list[fx.Node]]:
+    chain = []
+    while (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target in VIEW_OPS
+        and all(
+            symbols.is_symbolic(a.meta.get("val"))
+            for a in pytree.tree_leaves((node.args[1:], node.kwargs))
+            if isinstance(a, fx.Node)
+        )
+    ):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _view_step(node: fx.Node) -> tuple[str, list[Any]]:
+    args = pytree.tree_map(
+        lambda a: {"size": symbols.to_code(a.meta["val"])} if isinstance(a, fx.Node) else a,
+        list(node.args[1:]),
+    )
+    return node.target.name(), args
+
+
+def apply_views(steps: list[tuple[str, list[Any]]], base: torch.Tensor,
+                env: dict[str, int]) -> torch.Tensor:
+    """Apply an output's view chain in torch (sizes evaluated on this call's `env`)."""
+    current = base
+    for name, args in steps:
+        namespace, _, rest = name.partition("::")
+        op_name, _, overload = rest.partition(".")
+        op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
+        concrete = pytree.tree_map(
+            lambda a: int(symbols.evaluate(a["size"], env)) if isinstance(a, dict) else a,
+            args, is_leaf=lambda a: isinstance(a, dict),
+        )
+        current = op(current, *concrete)
+    return current
+
+
+def _reached_by(bw: fx.GraphModule, tangent_index: dict[str, int]) -> dict[fx.Node, set[int]]:
+    """Which outputs' cotangents each backward node depends on."""
+    reach: dict[fx.Node, set[int]] = {}
+    for node in bw.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in tangent_index:
+                reach[node] = {tangent_index[node.name]}
+            continue
+        found: set[int] = set()
+        for arg in node.all_input_nodes:
+            found |= reach.get(arg, set())
+        if found:
+            reach[node] = found
+    return reach
+

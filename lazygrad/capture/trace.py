@@ -1,0 +1,256 @@
+"""Stage 1, trace: (module, call, mask) -> AOTAutograd's joint graph, on fake tensors.
+
+The module runs once under `torch.func.functional_call` with fake parameters and fake inputs
+whose dimensions are symbols, so no real computation happens, sizes stay symbolic (Python values
+derived from sizes are fine), and a branch on tensor *values* raises instead of being baked in.
+Outputs outside the grad mask are detached before the trace: no cotangent exists for them and
+their heads are not differentiated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.func import functional_call
+
+from lazygrad.capture import private, symbols
+from lazygrad.capture.errors import CaptureError
+from lazygrad.eager import eager_mode
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class Traced:
+    """What the trace saw: the joint graph (or the inference graph) and the call's metadata."""
+
+    joint: fx.GraphModule  # primals [+ tangents] -> mutated inputs, outputs [+ grads]
+    training: bool  # joint holds a backward (tangents and gradients) too
+    num_forward_outputs: int  # mutated inputs + user outputs
+    mutated: list[int]  # primal indices the forward updates in place (in output order)
+    outputs: list[torch.Tensor]  # the fake outputs (their shapes, dtypes, requires_grad)
+    locations: symbols.Locations  # size symbol -> (primal, dim) where a call's value is read
+    guards: list[str]  # conditions on the sizes (Python code) under which the graph is valid
+
+
+def decompositions() -> dict:
+    """The exporter's own decomposition table, applied at trace time, plus two of ours.
+
+    `nll_loss_forward`: torchlib (onnxscript 0.7.2) translates it with a fake `total_weight`
+    (1.0), which only its backward reads: gradients came out 32x too large. `native_dropout`:
+    decomposed to `rand_like > p`, so its draw can be lifted out of the graph (draws.py).
+    """
+    registry = onnx_registry()
+    implemented = set(private.onnx_decomp.get_onnx_implemented_overloads(registry))
+    table = private.onnx_decomp.create_onnx_friendly_decomposition_table(implemented)
+    table.update(private.get_decompositions([aten.nll_loss_forward, aten.native_dropout]))
+    return table
+
+
+_REGISTRY = None
+
+
+def onnx_registry() -> Any:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
+            opset_version=private.onnx_constants.TORCHLIB_OPSET
+        )
+    return _REGISTRY
+
+
+def fake_primals(
+    primals: Sequence[torch.Tensor], dynamic: Sequence[bool], mode: private.FakeTensorMode
+) -> list[torch.Tensor]:
+    """Fake copies of `primals`; those flagged in `dynamic` get a symbol for every dimension."""
+    fakes = []
+    for tensor, is_dynamic in zip(primals, dynamic):
+        if is_dynamic and tensor.dim():
+            context = private.StatelessSymbolicContext(
+                dynamic_sizes=[private.DimDynamic.DYNAMIC] * tensor.dim()
+            )
+            fake = mode.from_tensor(tensor, symbolic_context=context)
+        else:
+            fake = mode.from_tensor(tensor, static_shapes=True)
+        if tensor.requires_grad:
+            fake.requires_grad_(True)
+        fakes.append(fake)
+    return fakes
+
+
+def trace(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    dynamic: Sequence[bool],
+    training: bool,
+) -> Traced:
+    """Trace `fn(*primals)` (flat tensors in, flat tensors out) with AOTAutograd.
+
+    `training`: trace the joint forward+backward (the primals that require grad are
+    differentiated); otherwise the inference graph alone.
+    """
+    mode = private.FakeTensorMode(shape_env=private.ShapeEnv(duck_shape=False))
+    fakes = fake_primals(primals, dynamic, mode)
+    where = symbols.locations(fakes)
+    if not training:
+        fakes = [f.detach() for f in fakes]
+    versions = [f._version for f in fakes]
+    got: dict[str, Any] = {}
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
+        return private.default_partition(joint, joint_inputs, **kwargs)
+
+    def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
+        got.setdefault("inference", gm)
+        return gm
+
+    compiled = private.aot_function(
+        fn, keep_first, keep_first, partition_fn=partition, decompositions=decompositions()
+    )
+    try:
+        # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
+        # around the call, or factories in the model (torch.arange) would make real tensors.
+        with torch.enable_grad() if training else torch.no_grad(), mode:
+            outputs = compiled(*fakes)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise CaptureError(describe(error)) from error
+    mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
+    outputs = list(outputs)
+    guards = size_guards(mode.shape_env, where)
+    if training and "joint" in got:
+        return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
+                      guards)
+    return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
+                  guards)
+
+
+def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[str]:
+    """What the trace assumed about the input sizes, as Python conditions over the symbols.
+
+    A branch on a size (`if x.size(1) != 1`), a `torch._assert` on one, or two sizes that had to
+    match (broadcasting) make the graph valid only where the same holds: such a call gets a
+    graph of its own. The symbols' ranges (a dynamic size is at least 2) are conditions too.
+    """
+    conditions = []
+    for name in where:
+        symbol = sympy.Symbol(name, integer=True, positive=True)
+        symbol = next((s for s in shape_env.var_to_range if s.name == name), symbol)
+        replaced = shape_env.replace(symbol)
+        if replaced != symbol:
+            conditions.append(sympy.Eq(symbol, replaced))
+        bounds = shape_env.var_to_range.get(symbol)
+        if bounds is not None:
+            if isinstance(bounds.lower, sympy.Integer):
+                conditions.append(symbol >= int(bounds.lower))
+            if isinstance(bounds.upper, sympy.Integer):
+                conditions.append(symbol <= int(bounds.upper))
+    for guard in shape_env.guards:
+        conditions.append(shape_env.replace(guard.expr))
+    codes = []
+    for condition in conditions:
+        if condition in (sympy.true, True):
+            continue
+        if condition in (sympy.false, False):
+            raise CaptureError(f"the trace holds for no size: {condition}")
+        if not {s.name for s in condition.free_symbols} <= set(where):
+            raise CaptureError(f"a size condition on internal sizes: {condition}")
+        codes.append(symbols.to_code(condition))
+    return sorted(set(codes))
+
+
+def describe(error: Exception) -> str:
+    """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
+    message = str(error).strip().split("\n\n")[0]
+    data_dependent = (
+        isinstance(error, private.GuardOnDataDependentSymNode)
+        or "data-dependent" in message
+        or "DataDependentOutputException" in type(error).__name__
+        or "data dependent" in message
+        or "Could not guard on data-dependent" in message
+    )
+    if data_dependent or type(error).__name__ in (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+    ):
+        return (
+            "the forward depends on tensor values (a branch or loop on a tensor's value, "
+            "`nonzero()` sizes, `.item()` or `.tolist()`), which one graph cannot capture: "
+            f"{type(error).__name__}: {message}"
+        )
+    return f"tracing failed: {type(error).__name__}: {message}"
+
+
+@contextlib.contextmanager
+def unchanged(module: torch.nn.Module) -> Iterator[None]:
+    """Restore every submodule's parameters, buffers and children (by identity) on exit.
+
+    functional_call swaps the module's tensors for the trace's and swaps them back; with a module
+    shared under several names and tied weights, a failure half-way could leave a trace tensor
+    inside the real module. Whatever happens in the block, the module comes out as it went in.
+    """
+    saved = [
+        (table, dict(table))
+        for m in module.modules()
+        for table in (m._parameters, m._buffers, m._modules)
+    ]
+    try:
+        yield
+    finally:
+        for table, entries in saved:
+            if table.keys() != entries.keys() or any(table[k] is not v for k, v in entries.items()):
+                table.clear()
+                table.update(entries)
+
+
+class _Original(torch.nn.Module):
+    """Runs the module's original forward, bypassing its own hooks and its lazy forward.
+
+    The user's hooks run around the lazy call already; traced too, they would apply twice.
+    """
+
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+        super().__init__()
+        self.inner = module
+        self.forward_fn = forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_fn(self.inner, *args, **kwargs)
+
+
+def functional(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    state_names: Sequence[str],
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
+    flatten: Callable[[Any], list[Any]],
+    mask: Sequence[bool] | None,
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """fn(*state, *call tensors) -> the forward's flat tensor outputs, unmasked ones detached.
+
+    `forward(module, *args, **kwargs)` is the module's original forward. `mask` None: nothing
+    is detached (an inference trace).
+    """
+    count = len(state_names)
+    original = _Original(module, forward)
+    names = [f"inner.{name}" for name in state_names]
+
+    def fn(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = dict(zip(names, primals[:count]))
+        args, kwargs = rebuild(list(primals[count:]))
+        with eager_mode():
+            result = functional_call(original, state, args, kwargs, tie_weights=True)
+        outputs = [leaf for leaf in flatten(result) if isinstance(leaf, torch.Tensor)]
+        if mask is None:
+            return tuple(outputs)
+        return tuple(o if keep else o.detach() for o, keep in zip(outputs, mask))
+
+    return fn

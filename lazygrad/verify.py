@@ -1,0 +1,90 @@
+"""Every newly built pair of graphs is checked once, against its own FX graphs run in torch.
+
+The exporter's translations are not PyTorch: a translation bug (torchlib once made
+`nll_loss_forward`'s total_weight a constant, and gradients came out 32x too large) would train
+silently wrong. So before a pair serves a step, its forward and backward run in ONNX Runtime
+and, as FX graphs, in torch, on the call's real inputs (and the step's real cotangents where
+known); a mismatch raises, and the runtime falls back with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lazygrad.capture import Captured, Feed
+from lazygrad.graph_pair import GraphPair
+
+
+class VerificationError(RuntimeError):
+    """The ONNX graphs do not compute what their FX graphs compute."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative to the largest magnitude: ORT and torch reduce in different orders."""
+    return 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+
+
+def verify(
+    captured: Captured,
+    pair: GraphPair,
+    primals: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor | None] | None,
+    device: torch.device,
+) -> None:
+    """Raise VerificationError unless ORT's results equal the FX graphs' on these inputs."""
+    tidy = captured.tidy
+    primals = [p.detach() for p in primals]
+    env = pair.sizes(primals)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        draws = pair.draw(env, device)
+    values: dict[str, Sequence] = {"primal": primals, "random": draws}
+    with torch.no_grad():
+        expected = list(tidy.forward(*_feeds(tidy.forward_feeds, values)))
+    got = pair.forward(primals, draws, device)
+    _compare(got, expected, "forward result")
+    if tidy.backward is None or pair.mask is None:
+        return
+    outputs = pair.outputs(expected, env)
+    if cotangents is None:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            cotangents = [torch.randn_like(o) if o.is_floating_point() else None for o in outputs]
+    cotangents = [
+        (c.detach() if c is not None else torch.zeros_like(o)) if bit else None
+        for c, o, bit in zip(cotangents, outputs, pair.mask)
+    ]
+    values = {**values, "saved": expected, "cotangent": cotangents}
+    with torch.no_grad():
+        expected_grads = list(tidy.backward(*_feeds(tidy.backward_feeds, values)))
+    grads = pair.backward(primals, draws, expected, cotangents, device)
+    _compare([grads[i] for i in pair.graphs.grads_for], expected_grads, "gradient")
+
+
+def _feeds(feeds: list[Feed], values: dict[str, Sequence]) -> list[torch.Tensor]:
+    return [values[feed.kind][feed.index] for feed in feeds]
+
+
+def _compare(got: Sequence, expected: Sequence, what: str) -> None:
+    if len(got) != len(expected):
+        raise VerificationError(f"{len(got)} {what}s from ORT, {len(expected)} from torch")
+    for index, (actual, wanted) in enumerate(zip(got, expected)):
+        if not isinstance(wanted, torch.Tensor):
+            continue
+        if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
+            raise VerificationError(
+                f"{what} {index}: ORT gives {actual.dtype}{list(actual.shape)}, torch "
+                f"{wanted.dtype}{list(wanted.shape)}"
+            )
+        if not wanted.is_floating_point():
+            if not torch.equal(actual, wanted):
+                raise VerificationError(f"{what} {index}: ORT and torch differ")
+            continue
+        scale = wanted.abs().max().item() if wanted.numel() else 0.0
+        error = (actual - wanted).abs().max().item() if wanted.numel() else 0.0
+        both_nan = torch.isnan(actual).equal(torch.isnan(wanted))
+        if not both_nan or error > tolerance(wanted.dtype) * max(scale, 1e-6):
+            raise VerificationError(
+                f"{what} {index}: ORT differs from torch by {error:.3g} (largest magnitude "
+                f"{scale:.3g})"
+            )
