@@ -9,7 +9,9 @@ gate any upgrade. Nothing else in lazygrad imports a private torch module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_function
@@ -35,6 +37,8 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
 from torch.utils._sympy.printers import PythonPrinter
 
+import torch
+
 # The exporter and the symbolic-shape machinery log every specialisation and skipped torchvision
 # op at WARNING; for a runtime that traces on the user's behalf that is noise.
 for _name in (
@@ -46,7 +50,20 @@ for _name in (
 ):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """`torch.compiler.is_compiling()` is True inside: models skip eager-only checks on values
+    (transformers' attention-mask fast paths) when a graph is traced, as for torch.compile."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
 __all__ = [
+    "compiling",
     "DimDynamic",
     "ExportGraphSignature",
     "ExportedProgram",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -64,6 +65,9 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
          masked: list[int]) -> Tidy:
     """`masked`: the output indices that have a cotangent (the grad mask), in order."""
     fw, bw = parts.forward, parts.backward
+    for gm in (fw, bw):
+        if gm is not None:
+            _expand_numel(gm)
     fw_inputs = placeholders(fw)
     feed_of_fw_input = {
         node.name: Feed("primal", i) if i < num_primals else Feed("random", i - num_primals)
@@ -152,6 +156,7 @@ def _tidy_backward(
         if found is None:
             with bw.graph.inserting_before(first):
                 found = bw.graph.placeholder(base.name)
+            found.target = found.name  # FX made the name unique: the argument must follow
             found.meta.update(base.meta)
             by_name[base.name] = found
             sources[found.name] = base
@@ -167,7 +172,8 @@ def _tidy_backward(
             rewrites.append((node, base, chain))
             placeholder_for(base)
 
-    where = _size_sources(bw, fw, placeholder_for)
+    # Sizes are read from inputs that stay: not from a view input replaced below.
+    where = _size_sources(bw, fw, placeholder_for, {node for node, _, _ in rewrites})
     for node, base, chain in rewrites:
         current = by_name[base.name]
         with bw.graph.inserting_before(first):
@@ -194,14 +200,14 @@ def _tidy_backward(
     return {p.name: sources[p.name] for p in placeholders(bw) if p.name in sources}
 
 
-def _size_sources(bw: fx.GraphModule, fw: fx.GraphModule, placeholder_for) -> dict:
+def _size_sources(
+    bw: fx.GraphModule, fw: fx.GraphModule, placeholder_for, replaced: set[fx.Node]
+) -> dict:
     """symbol name -> (backward tensor input, dim); a forward input is added where needed."""
+    kept = [p for p in placeholders(bw) if p not in replaced]
     where = {
-        name: (bw_input, dim)
-        for name, (index, dim) in symbols.locations(
-            [p.meta.get("val") for p in placeholders(bw)]
-        ).items()
-        for bw_input in [placeholders(bw)[index]]
+        name: (kept[index], dim)
+        for name, (index, dim) in symbols.locations([p.meta.get("val") for p in kept]).items()
     }
     fw_inputs = placeholders(fw)
     for name, (index, dim) in symbols.locations([p.meta.get("val") for p in fw_inputs]).items():
@@ -227,6 +233,34 @@ class _Where(dict):
             value = value.resolve()
             self[key] = value
         return value
+
+
+def _expand_numel(gm: fx.GraphModule) -> None:
+    """`sym_numel(t)` (no ONNX translation) -> the product of `sym_size(t, d)`."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sym_numel.default:
+            continue
+        tensor = node.args[0]
+        with gm.graph.inserting_before(node):
+            product: Any = 1
+            for dim, size in enumerate(tensor.meta["val"].shape):
+                factor: Any = size
+                if symbols.is_symbolic(size):
+                    factor = gm.graph.call_function(aten.sym_size.int, (tensor, dim))
+                    factor.meta["val"] = size
+                if isinstance(product, int) and isinstance(factor, int):
+                    product *= factor
+                else:
+                    value = _value(product) * _value(factor)
+                    product = gm.graph.call_function(operator.mul, (product, factor))
+                    product.meta["val"] = value
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _value(arg: Any) -> Any:
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
 def _strip_views(node: Any) -> tuple[Any, list[fx.Node]]:

@@ -10,6 +10,7 @@ their heads are not differentiated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,8 +19,9 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lazygrad.capture import private, symbols
+from lazygrad.capture import lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -39,17 +41,26 @@ class Traced:
     guards: list[str]  # conditions on the sizes (Python code) under which the graph is valid
 
 
+@functools.cache
 def decompositions() -> dict:
     """The exporter's own decomposition table, applied at trace time, plus two of ours.
 
     `nll_loss_forward`: torchlib (onnxscript 0.7.2) translates it with a fake `total_weight`
     (1.0), which only its backward reads: gradients came out 32x too large. `native_dropout`:
     decomposed to `rand_like > p`, so its draw can be lifted out of the graph (draws.py).
+    `_native_batch_norm_legit_functional` (BatchNorm in training): ONNX's BatchNormalization
+    updates the running variance with the biased batch variance, torch with the unbiased one
+    (the check caught it). And the ops ONNX cannot express as they are (lowerings.py).
     """
     registry = onnx_registry()
     implemented = set(private.onnx_decomp.get_onnx_implemented_overloads(registry))
     table = private.onnx_decomp.create_onnx_friendly_decomposition_table(implemented)
-    table.update(private.get_decompositions([aten.nll_loss_forward, aten.native_dropout]))
+    table.update(private.get_decompositions([
+        aten.nll_loss_forward,
+        aten.native_dropout,
+        aten._native_batch_norm_legit_functional,
+    ]))
+    table.update(lowerings.TABLE)
     return table
 
 
@@ -95,7 +106,11 @@ def trace(
     `training`: trace the joint forward+backward (the primals that require grad are
     differentiated); otherwise the inference graph alone.
     """
-    mode = private.FakeTensorMode(shape_env=private.ShapeEnv(duck_shape=False))
+    # Non-fake inputs allowed: a tensor the forward makes from Python values (torch.tensor of a
+    # size) is a constant of the trace, and the size it read becomes a guard.
+    mode = private.FakeTensorMode(
+        shape_env=private.ShapeEnv(duck_shape=False), allow_non_fake_inputs=True
+    )
     fakes = fake_primals(primals, dynamic, mode)
     where = symbols.locations(fakes)
     if not training:
@@ -117,7 +132,9 @@ def trace(
     try:
         # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
         # around the call, or factories in the model (torch.arange) would make real tensors.
-        with torch.enable_grad() if training else torch.no_grad(), mode:
+        # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
+        with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
+                sdpa_kernel(SDPBackend.MATH):
             outputs = compiled(*fakes)
     except CaptureError:
         raise

@@ -1,0 +1,409 @@
+"""What the capture must get right on ordinary module code, each step against eager PyTorch.
+
+The first training step of a new input signature runs in eager PyTorch while its graph is built
+at the first backward; from the second step on it runs through ONNX Runtime. So every test runs
+at least three steps, compares each one, and its statistics are about steps 2+.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close
+
+import lazygrad
+
+
+def _assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    """Every parameter gradient is eager's, and `.grad is None` exactly where eager's is."""
+    lazy_params, eager_params = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    assert list(lazy_params) == list(eager_params), what
+    for name, q in eager_params.items():
+        p = lazy_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, f"{what}: {name}.grad")
+
+
+def _assert_params_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert_close(p.detach(), q.detach(), f"{what}: {name}")
+
+
+def _step(lazy, eager, args, loss_of, what, optimizers=(), after_backward=None):
+    """One training step of both models on the same input; outputs and gradients compared."""
+    for m in (lazy, eager):
+        m.zero_grad(set_to_none=True)
+    out, expected = lazy(*args), eager(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    expecteds = expected if isinstance(expected, tuple) else (expected,)
+    assert len(outs) == len(expecteds), what
+    for index, (got, want) in enumerate(zip(outs, expecteds)):
+        assert_close(got.detach(), want.detach(), f"{what}: output {index}")
+    loss_of(out).backward()
+    loss_of(expected).backward()
+    if after_backward is not None:
+        after_backward()
+    _assert_grads_equal(lazy, eager, what)
+    for opt in optimizers:
+        opt.step()
+    return out, expected
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Python values derived from sizes
+
+
+class SizeDerivedAttention(torch.nn.Module):
+    """Size arithmetic as Python numbers, a branch on a size, and a `torch._assert` on a size."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.width, self.heads = width, heads
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        torch._assert(x.size(-1) == self.width, "x has the wrong width")
+        batch, seq, _ = x.shape
+        scale = math.sqrt(x.size(-1) // self.heads)
+        q, k, v = (
+            t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1)
+        )
+        if x.size(1) != 1:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            scores = (q @ k.transpose(-2, -1) / scale).masked_fill(~causal, float("-inf"))
+            y = scores.softmax(-1) @ v
+        else:  # one token: a gate instead of attention
+            y = v * torch.sigmoid((q * k).sum(-1, keepdim=True) / scale)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, self.width))
+
+
+def test_size_derived_python_values_branches_and_asserts_run_through_ort_with_one_export():
+    torch.manual_seed(0)
+    eager = SizeDerivedAttention()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    loss_of = lambda o: o.square().mean()  # noqa: E731
+    for batch, seq in [(2, 5), (3, 7), (4, 3), (2, 9)]:
+        x = torch.randn(batch, seq, 8)
+        _step(lazy, eager, (x,), loss_of, f"shape {(batch, seq)}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0
+    assert stats.exports == 1, "one graph serves every batch size and sequence length > 1"
+    assert stats.builds == 1, "one signature, one grad mask"
+    # Sequence length 1 takes the other branch: a new capture is fine, a wrong result is not.
+    for batch in (2, 3, 2):
+        x = torch.randn(batch, 1, 8)
+        _step(lazy, eager, (x,), loss_of, f"shape {(batch, 1)}")
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Embedding padding_idx
+
+
+class PaddedEmbedding(torch.nn.Module):
+    def __init__(self, vocab: int = 12, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.proj = torch.nn.Linear(dim, 3)
+
+    def forward(self, ids):
+        return self.proj(torch.tanh(self.embed(ids)))
+
+
+def test_embedding_padding_row_gets_exactly_zero_gradient():
+    torch.manual_seed(0)
+    eager = PaddedEmbedding()
+    with torch.no_grad():  # a nonzero padding row: training it would show
+        eager.embed.weight[0] = torch.randn(6)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    padding_row = eager.embed.weight[0].detach().clone()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (lazy, eager)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        ids = torch.randint(0, 12, (3, 7), generator=generator)
+        ids[:, -2:] = 0  # padding at the end of every row, and wherever randint put a 0
+        _step(lazy, eager, (ids,), lambda o: o.square().sum(), f"step {step}", opts)
+        assert torch.equal(lazy.embed.weight.grad[0], torch.zeros(6)), f"step {step}"
+        assert torch.equal(lazy.embed.weight[0].detach(), padding_row), f"step {step}"
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Shared submodules and tied weights
+
+
+class SharedBlock(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.linear = torch.nn.Linear(dim, dim)
+        self.register_buffer("shift", torch.full((dim,), 0.1))
+
+    def forward(self, h):
+        return h + torch.tanh(self.linear(self.norm(h)) + self.shift)
+
+
+class TiedLM(torch.nn.Module):
+    """One block under two names (called twice), and an output head tied to the embedding."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        block = SharedBlock(dim)
+        self.a = block
+        self.b = block
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def body(self, h):
+        return self.b(self.a(h))
+
+    def forward(self, ids, targets):
+        logits = self.head(self.body(self.embed(ids)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def _lm_batch(generator: torch.Generator, vocab: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (2, 6), generator=generator)
+    return ids, ids.roll(-1, dims=1)
+
+
+def _assert_sharing_holds(model: TiedLM) -> None:
+    assert model.a is model.b
+    assert model.head.weight is model.embed.weight
+
+
+def test_shared_submodule_and_tied_weights_train_like_eager_and_stay_shared():
+    torch.manual_seed(0)
+    eager = TiedLM()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    _assert_sharing_holds(lazy)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, eager)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        batch = _lm_batch(generator)
+        _step(lazy, eager, batch, lambda o: o[0], f"step {step}", opts)
+        _assert_params_equal(lazy, eager, f"after step {step}")
+    assert lazygrad.stats(lazy).fallbacks == 0
+    _assert_sharing_holds(lazy)
+    assert len(list(lazy.parameters())) == len(list(eager.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A failed capture leaves the module as it was
+
+
+class DataDependentTiedLM(TiedLM):
+    """TiedLM whose depth depends on the values of the ids: no graph can hold that."""
+
+    def body(self, h, repeats=1):
+        for _ in range(repeats):
+            h = self.a(h)
+        return self.b(h)
+
+    def forward(self, ids, targets):
+        n = int((ids % 3 == 0).sum())  # a Python int read from tensor values
+        logits = self.head(self.body(self.embed(ids), repeats=1 + n % 2))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "parameters": {
+            n: (p, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)
+        },
+        "buffers": {n: (b, b.clone()) for n, b in model.named_buffers(remove_duplicate=False)},
+        "modules": dict(model.named_modules(remove_duplicate=False)),
+        "state_dict_keys": list(model.state_dict().keys()),
+    }
+
+
+def _assert_unchanged(model: torch.nn.Module, before: dict) -> None:
+    for kind, named in [
+        ("parameters", dict(model.named_parameters(remove_duplicate=False))),
+        ("buffers", dict(model.named_buffers(remove_duplicate=False))),
+    ]:
+        assert list(named) == list(before[kind]), kind
+        for name, (obj, value) in before[kind].items():
+            assert named[name] is obj, f"{kind} {name} was replaced"
+            assert torch.equal(named[name].detach(), value), f"{kind} {name} changed value"
+    modules = dict(model.named_modules(remove_duplicate=False))
+    assert list(modules) == list(before["modules"])
+    for name, module in before["modules"].items():
+        assert modules[name] is module, f"submodule {name!r} was replaced"
+    assert list(model.state_dict().keys()) == before["state_dict_keys"]
+
+
+def _ids_with_multiples_of_three(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids with exactly `count` multiples of 3, so the depth differs from step to step."""
+    generator = torch.Generator().manual_seed(count)
+    allowed = torch.tensor([v for v in range(1, 20) if v % 3])
+    ids = allowed[torch.randint(0, len(allowed), (2, 6), generator=generator)]
+    ids.view(-1)[:count] = 3
+    return ids, ids.roll(-1, dims=1)
+
+
+def test_failed_capture_falls_back_once_and_leaves_the_module_unchanged():
+    torch.manual_seed(0)
+    eager = DataDependentTiedLM()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    before = _snapshot(lazy)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, eager)]
+    with pytest.warns(lazygrad.FallbackWarning) as record:
+        for step in range(3):
+            batch = _ids_with_multiples_of_three(step + 1)  # depth 2, 1, 2
+            # After step 0's backward the capture was tried and failed; nothing is trained yet.
+            unchanged = (lambda: _assert_unchanged(lazy, before)) if step == 0 else None
+            _step(lazy, eager, batch, lambda o: o[0], f"step {step}", after_backward=unchanged)
+            _assert_sharing_holds(lazy)
+            for opt in opts:
+                opt.step()
+            _assert_params_equal(lazy, eager, f"after step {step}")
+    fallbacks = [w for w in record if issubclass(w.category, lazygrad.FallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
+    assert lazygrad.stats(lazy).fallbacks == 1
+    _assert_sharing_holds(lazy)
+    assert list(lazy.state_dict().keys()) == before["state_dict_keys"]
+    for name, (obj, _) in before["parameters"].items():
+        assert dict(lazy.named_parameters(remove_duplicate=False))[name] is obj, name
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Routing over nonzero() is never baked into a graph
+
+
+class LoopRoutedMoE(torch.nn.Module):
+    """Mixtral-style dispatch: a Python loop over the experts that received tokens."""
+
+    def __init__(self, dim: int = 6, experts: int = 4) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        with torch.no_grad():  # expert e is chosen by a large feature e: tests pick the routing
+            self.router.weight.copy_(2.0 * torch.eye(experts, dim))
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x):
+        gates = self.router(x).softmax(-1)
+        choice = gates.argmax(-1)
+        out = torch.zeros_like(x)
+        for e in choice.unique().tolist():
+            rows = torch.nonzero(choice == e).squeeze(-1)
+            out = out.index_add(0, rows, self.experts[e](x[rows]) * gates[rows, e : e + 1])
+        return out
+
+
+def _routed_tokens(route: list[int], seed: int, dim: int = 6) -> torch.Tensor:
+    x = 0.1 * torch.randn(len(route), dim, generator=torch.Generator().manual_seed(seed))
+    x[torch.arange(len(route)), torch.tensor(route)] += 3.0
+    return x
+
+
+def test_loop_over_nonzero_falls_back_and_never_bakes_the_routing():
+    torch.manual_seed(0)
+    eager = LoopRoutedMoE()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    routes = [[0, 1, 0, 1, 0, 1], [2, 3, 3, 2, 2, 3], [0, 3, 1, 2, 3, 0]]
+    with pytest.warns(lazygrad.FallbackWarning) as record:
+        for step, route in enumerate(routes):
+            x = _routed_tokens(route, seed=step)
+            with torch.no_grad():
+                assert eager.router(x).argmax(-1).tolist() == route  # the routing differs
+            _step(lazy, eager, (x,), lambda o: o.square().sum(), f"step {step} route {route}")
+    fallbacks = [w for w in record if issubclass(w.category, lazygrad.FallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
+    assert lazygrad.stats(lazy).fallbacks == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Plain Python attributes read by forward
+
+
+class Configurable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(5, 5)
+        self.outer = torch.nn.Linear(5, 5)
+        self.scale = 2.0
+        self.use_residual = True
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x)) * self.scale
+        if self.use_residual:
+            h = h + x
+        return self.outer(h)
+
+
+def test_changing_a_python_attribute_read_by_forward_changes_the_result_as_in_eager():
+    torch.manual_seed(0)
+    eager = Configurable()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    generator = torch.Generator().manual_seed(1)
+    probe = torch.randn(4, 5, generator=generator)
+    previous = None
+    for scale, use_residual in [(2.0, True), (3.0, True), (3.0, False), (2.0, True)]:
+        what = f"scale={scale} residual={use_residual}"
+        for m in (lazy, eager):
+            m.scale, m.use_residual = scale, use_residual
+        for step in range(3):
+            x = torch.randn(4, 5, generator=generator)
+            _step(lazy, eager, (x,), lambda o: o.square().sum(), f"{what} step {step}")
+        with torch.no_grad():
+            got = lazy(probe)
+            assert_close(got, eager(probe), f"{what} probe")
+        if previous is not None:  # the attribute did change the result
+            assert not torch.allclose(got, previous), what
+        previous = got
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. BatchNorm in training mode
+
+
+class SmallConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # No bias before BatchNorm (as in ResNets): its gradient is zero up to rounding noise.
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def _assert_bn_state_equal(lazy: SmallConvNet, eager: SmallConvNet, what: str) -> None:
+    assert_close(lazy.bn.running_mean, eager.bn.running_mean, f"{what}: running_mean")
+    assert_close(lazy.bn.running_var, eager.bn.running_var, f"{what}: running_var")
+    assert torch.equal(lazy.bn.num_batches_tracked, eager.bn.num_batches_tracked), what
+
+
+def test_batchnorm_training_updates_running_stats_like_eager_then_eval_matches():
+    torch.manual_seed(0)
+    eager = SmallConvNet()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    running_mean = lazy.bn.running_mean
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, eager)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 3, 6, 6, generator=generator) + step
+        _step(lazy, eager, (x,), lambda o: o.square().sum(), f"step {step}", opts)
+        _assert_bn_state_equal(lazy, eager, f"step {step}")
+        _assert_params_equal(lazy, eager, f"after step {step}")
+    assert int(lazy.bn.num_batches_tracked) == 3
+    assert lazy.bn.running_mean is running_mean  # updated in place, as eager does
+    for m in (lazy, eager):
+        m.eval()
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(5, 3, 6, 6, generator=generator)
+            assert_close(lazy(x), eager(x), f"eval call {step}")
+    _assert_bn_state_equal(lazy, eager, "after eval")
+    assert lazygrad.stats(lazy).fallbacks == 0

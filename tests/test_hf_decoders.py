@@ -1,0 +1,102 @@
+"""Hugging Face decoder-only LMs (GPT-2, Llama) from tiny configs: through ORT, trained like eager.
+
+transformers builds their causal and padding masks in `masking_utils` (with `torch.vmap` in some
+versions, and reading the padding mask's values to decide whether SDPA may skip it) and attends
+with SDPA by default; the capture must trace all of it. No downloads: random weights from small
+configs. Skipped without transformers (the `hf` extra).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+import lazygrad  # noqa: E402
+
+VOCAB, BATCH, SEQ = 100, 2, 8
+
+
+def _gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        use_cache=False,  # training: no key/value cache among the outputs
+    )
+    return transformers.GPT2LMHeadModel(config)  # lm_head tied to the token embedding
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+# (factory, which side is padded): each model sees a batch with padding in its attention mask.
+MODELS = {"gpt2": (_gpt2, "right"), "llama": (_llama, "left")}
+
+COMPOSITIONS = {
+    "loss": lambda o: o.loss,
+    "loss+logits": lambda o: o.loss + 1e-3 * o.logits.pow(2).mean(),
+}
+
+
+def _batch(step: int, padding: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+    attention_mask = torch.ones_like(ids)
+    if padding == "left":
+        attention_mask[0, :3] = 0
+    else:
+        attention_mask[1, -3:] = 0
+    return {"input_ids": ids, "attention_mask": attention_mask, "labels": ids}
+
+
+def _assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    lazy_params, eager_params = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    assert list(lazy_params) == list(eager_params), what
+    for name, q in eager_params.items():
+        p = lazy_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, f"{what}: {name}.grad")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_decoder_lm_with_padding_runs_through_ort_and_trains_like_eager(name):
+    factory, padding = MODELS[name]
+    torch.manual_seed(0)
+    eager = factory()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (lazy, eager)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        for what, compose in COMPOSITIONS.items():
+            for step in range(3):
+                where = f"{name} {what} step {step}"
+                batch = _batch(step, padding)
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
+                out, expected = lazy(**batch), eager(**batch)
+                assert type(out) is type(expected), where
+                assert list(out.keys()) == list(expected.keys()) == ["loss", "logits"], where
+                assert_close(out.loss.detach(), expected.loss.detach(), f"{where}: loss")
+                assert_close(out.logits.detach(), expected.logits.detach(), f"{where}: logits")
+                compose(out).backward()
+                compose(expected).backward()
+                _assert_grads_equal(lazy, eager, where)
+                for opt in opts:
+                    opt.step()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0
+    assert stats.exports == 1, "one input signature"
+    assert stats.builds == len(COMPOSITIONS), "one graph pair per grad mask"
+    if name == "gpt2":
+        assert lazy.lm_head.weight is lazy.transformer.wte.weight
