@@ -38,7 +38,7 @@ def measure(config: str, quick: bool) -> dict:
     import torch
 
     import lazygrad
-    from lazygrad.models import BertConfig, BertPretraining, bert_batch
+    from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

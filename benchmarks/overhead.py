@@ -21,7 +21,7 @@ from torch.utils.dlpack import to_dlpack
 
 import lazygrad
 from lazygrad.api import runtime_of
-from lazygrad.models import ThreeHeadMLP
+from lazygrad.examples.models import ThreeHeadMLP
 from lazygrad.session import GraphSession
 
 

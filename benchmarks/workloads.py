@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lazygrad.models import BertConfig, BertPretraining, MoELayer, bert_batch
+from lazygrad.examples.models import BertConfig, BertPretraining, MoELayer, bert_batch
 
 BERT = BertConfig(vocab=8000, hidden=256, layers=4, heads=4, max_positions=256)
 BERT_BATCH, BERT_SEQ = 8, 128

@@ -14,7 +14,7 @@ import time
 import torch
 
 import lazygrad
-from lazygrad.models import BertConfig, BertPretraining, bert_batch
+from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 
 
 def composition(step: int) -> str:

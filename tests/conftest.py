@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lazygrad
-from lazygrad.models import BertConfig, BertPretraining, MoELayer, ThreeHeadMLP, bert_batch
+from lazygrad.examples.models import BertConfig, BertPretraining, MoELayer, ThreeHeadMLP, bert_batch
 
 RTOL = 1e-5
 

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_close, compose_loss, reference_vjp
 
 import lazygrad
-from lazygrad.models import MoELayer, ThreeHeadMLP
+from lazygrad.examples.models import MoELayer, ThreeHeadMLP
 
 
 def _run_threads(targets) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lazygrad
-from lazygrad.models import ThreeHeadMLP
+from lazygrad.examples.models import ThreeHeadMLP
 
 WORLD = 2
 STEPS = 4

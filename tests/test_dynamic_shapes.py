@@ -8,7 +8,7 @@ import torch
 from conftest import assert_close, compose_loss, lazy_copy, reference_vjp
 
 import lazygrad
-from lazygrad.models import BertConfig, BertPretraining, MoELayer, bert_batch
+from lazygrad.examples.models import BertConfig, BertPretraining, MoELayer, bert_batch
 
 SHAPES = [(2, 8), (3, 12), (1, 5), (4, 20), (2, 33)]  # (batch, sequence length)
 

@@ -17,7 +17,7 @@ from conftest import (
 )
 
 import lazygrad
-from lazygrad.models import ThreeHeadMLP
+from lazygrad.examples.models import ThreeHeadMLP
 
 CASES = [
     (name, mask)

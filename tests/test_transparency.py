@@ -11,7 +11,7 @@ import torch
 from conftest import assert_close
 
 import lazygrad
-from lazygrad.models import ThreeHeadMLP
+from lazygrad.examples.models import ThreeHeadMLP
 
 
 @lazygrad.lazy
