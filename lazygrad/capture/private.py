@@ -33,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import (
     GuardOnDataDependentSymNode,
     ShapeEnv,
     StatelessSymbolicContext,
+    free_unbacked_symbols,
 )
 from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
 from torch.utils._sympy.printers import PythonPrinter
@@ -81,6 +82,7 @@ __all__ = [
     "TensorArgument",
     "aot_function",
     "default_partition",
+    "free_unbacked_symbols",
     "fx_config",
     "get_decompositions",
     "onnx_constants",

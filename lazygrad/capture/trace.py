@@ -142,12 +142,28 @@ def trace(
         raise CaptureError(describe(error)) from error
     mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
     outputs = list(outputs)
+    _refuse_data_dependent_sizes(got.get("joint") or got["inference"])
     guards = size_guards(mode.shape_env, where)
     if training and "joint" in got:
         return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
                       guards)
     return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
                   guards)
+
+
+def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
+    """A size that depends on tensor values (`nonzero()`, boolean-mask indexing, `.item()` as
+    a size) traces as an unbacked symbol: each call could route differently, so no graph is
+    built for it."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(private.free_unbacked_symbols(v) for v in values if v is not None):
+            raise CaptureError(
+                "the forward depends on tensor values: the size of the result of "
+                f"{node.target} is computed from data (`nonzero()`, boolean-mask indexing, "
+                "`.item()` used as a size), which one graph cannot capture"
+            )
 
 
 def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[str]:
