@@ -1,7 +1,8 @@
 """`python -m benchmarks [--quick] [--out DIR]`: lazygrad against its peers, table and plot.
 
 Order of a run: fresh processes first (first step and peak memory per peer and workload), then
-the interleaved timing of all peers in this process, then the per-call overhead; the table is
+the per-call overhead (its tiny model's graph build also warms up lazygrad's tracer and exporter
+in this process), then the interleaved timing of all peers in this process; the tables are
 printed and written to DIR/results.md, the plot to DIR/steps.png.
 """
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from benchmarks import fresh, overhead, peers, report
-from benchmarks.peers import COMPILE, EAGER
+from benchmarks.peers import COMPILE, EAGER, LAZY, LAZY_ALL
 from benchmarks.timing import Samples, interleave, paired_ratio
 from benchmarks.workloads import (
     COMPOSITIONS,
@@ -48,11 +49,12 @@ class Plan:
     moe_steps: int
     lengths: tuple[int, ...]  # of workload 3, one pass
     compile: bool
+    fresh_bert: bool  # workload 1 in fresh processes too (workload 2 always is)
     overhead_blocks: int
 
 
-FULL = Plan(tuple(COMPOSITIONS), 5, 200, (64, 96, 128, 160, 192, 224, 256), True, 15)
-QUICK = Plan(("loss",), 3, 200, (64, 160, 256), False, 5)
+FULL = Plan(tuple(COMPOSITIONS), 5, 200, (64, 96, 128, 160, 192, 224, 256), True, True, 15)
+QUICK = Plan(("loss",), 3, 200, (64, 160, 256), False, False, 5)
 
 
 class Progress:
@@ -68,22 +70,22 @@ class Progress:
 def _fresh_runs(plan: Plan, names: list[str], say: Progress) -> dict[tuple[str, str], fresh.Fresh]:
     """First step and peak memory of every (workload, peer), each peer in fresh processes.
 
-    eager and torch.compile run the compositions in one process (torch gives memory back between
-    them); lazygrad gets a process per composition, since its sessions are per grad mask.
+    Every peer runs workload 1's compositions in turn on one model in one process, as it does in
+    the interleaved run: for lazygrad a later composition's first step is the miss that builds
+    its mask. Workload 2 gets a process of its own.
     """
-    bert = [f"bert {c}" for c in plan.compositions]
-    jobs: list[tuple[str, list[str]]] = []
-    for peer in names:
-        groups = [bert] if peer in (EAGER, COMPILE) else [[w] for w in bert]
-        jobs += [(peer, group) for group in [*groups, [MOE.name]]]
+    groups = [[MOE.name]]
+    if plan.fresh_bert:
+        groups.insert(0, [f"bert {c}" for c in plan.compositions])
     found = {}
-    for peer, group in jobs:
-        for result in fresh.measure(peer, group):
-            found[(result.workload, peer)] = result
-            say(
-                f"fresh process  {peer:<14} {result.workload:<20} first step "
-                f"{result.first_step_s:6.2f} s  peak {result.peak_mib:5.0f} MiB"
-            )
+    for peer in names:
+        for group in groups:
+            for result in fresh.measure(peer, group):
+                found[(result.workload, peer)] = result
+                say(
+                    f"fresh process  {peer:<14} {result.workload:<20} first step "
+                    f"{result.first_step_s:6.2f} s  peak {result.peak_mib:5.0f} MiB"
+                )
     return found
 
 
@@ -94,18 +96,22 @@ def _rows(
     compiled_before: int,
     found: dict[tuple[str, str], fresh.Fresh],
     with_throughput: bool,
+    steady_from: int,
 ) -> list[report.Row]:
+    """Median and x eager over the rounds from `steady_from` on; steps/s over every round."""
     rows = []
+    eager = samples[EAGER].times[steady_from:]
     for peer, model in models.items():
         times = samples[peer].times
+        steady = Samples(times[steady_from:])
         built = peers.builds(peer, model, compiled_before)
         cold = found.get((workload.name, peer))
         rows.append(
             report.Row(
                 workload=workload.name,
                 peer=peer,
-                median_s=samples[peer].median,
-                ratio=paired_ratio(times, samples[EAGER].times),
+                median_s=steady.median,
+                ratio=paired_ratio(steady.times, eager),
                 steps_per_s=len(times) / sum(times) if with_throughput else None,
                 first_step_s=cold.first_step_s if cold else None,
                 peak_mib=cold.peak_mib if cold else None,
@@ -132,6 +138,7 @@ def _phase(
     warmup: int,
     found: dict[tuple[str, str], fresh.Fresh],
     with_throughput: bool,
+    steady_from: int = 0,
 ) -> list[report.Row]:
     """Warm-up rounds (untimed, counted in builds and hits), then `rounds` timed rounds."""
     for peer, model in models.items():
@@ -140,46 +147,82 @@ def _phase(
     steps = {peer: workload.step(model) for peer, model in models.items()}
     interleave(steps, warmup)
     samples = interleave(steps, rounds, first_round=warmup)
-    return _rows(workload, models, samples, before, found, with_throughput)
+    return _rows(workload, models, samples, before, found, with_throughput, steady_from)
 
 
-def run(plan: Plan, say: Progress) -> tuple[list[report.Row], overhead.Overhead]:
+def _new_builds(
+    workload: Workload,
+    models: dict[str, nn.Module],
+    rows: list[report.Row],
+    seen: set[tuple[str, tuple[bool, ...] | None]],
+) -> list[report.BuildRow]:
+    """The pairs each lazygrad model built in this phase (not in `seen`, which is updated), or
+    one row saying it built none; each with the model's steady step from `rows`."""
+    ratios = {row.peer: row.ratio for row in rows}
+    found = []
+    for peer, model in models.items():
+        if peer not in (LAZY, LAZY_ALL):
+            continue
+        new = [e for e in peers.built(peer, model) if (peer, e.mask) not in seen]
+        seen.update((peer, e.mask) for e in new)
+        found += [
+            report.BuildRow(workload.name, peer, e.mask, e.phases, e.build_seconds, ratios[peer])
+            for e in new
+        ] or [report.BuildRow(workload.name, peer, None, {}, None, ratios[peer])]
+    return found
+
+
+def _say_builds(say: Progress, rows: list[report.BuildRow]) -> None:
+    for row in rows:
+        if row.mask is not None:
+            stages = ", ".join(f"{name} {s:.1f} s" for name, s in row.phases.items())
+            say(f"built          {row.peer:<14} mask {report.mask_text(row.mask)}  "
+                f"{row.build_s:.1f} s ({stages})")
+
+
+def run(
+    plan: Plan, say: Progress
+) -> tuple[list[report.Row], list[report.BuildRow], overhead.Overhead]:
     names = [p for p in peers.PEERS if plan.compile or p != COMPILE]
     found = _fresh_runs(plan, names, say)
-    rows: list[report.Row] = []
-
-    bert_base = WORKLOADS["bert loss"].model()
-    kept = {p: peers.make(p, bert_base) for p in names if p in (EAGER, COMPILE)}
-    carried: dict[str, nn.Module] = {}
-    for composition in plan.compositions:
-        workload = WORKLOADS[f"bert {composition}"]
-        models = {p: kept[p] if p in kept else peers.make(p, bert_base) for p in names}
-        phase = _phase(workload, models, plan.rounds, workload.settle, found, False)
-        _say_rows(say, phase)
-        rows += phase
-        carried = carried or models  # the "loss" models go on to the lengths workload
-
-    moe_base = MOE.model()
-    moe_models = {p: peers.make(p, moe_base) for p in names}
-    phase = _phase(MOE, moe_models, plan.moe_steps, 0, found, True)  # from the first step
-    _say_rows(say, phase)
-    rows += phase
-
-    lengths = seq_lengths(plan.lengths)
-    phase = _phase(lengths, carried, len(plan.lengths), 0, found, True)
-    _say_rows(say, phase)
-    rows += phase
-
     cost = overhead.measure(plan.overhead_blocks)
     say(
         f"overhead       lazygrad {cost.lazygrad_us:.0f} us, GraphSession.run "
         f"{cost.session_us:.0f} us, ORT run {cost.ort_us:.0f} us per call"
     )
-    return rows, cost
+    rows: list[report.Row] = []
+    builds: list[report.BuildRow] = []
+
+    bert_base = WORKLOADS["bert loss"].model()
+    # One model per peer serves every composition in turn, then workload 3.
+    models = {p: peers.make(p, bert_base) for p in names}
+    seen: set[tuple[str, tuple[bool, ...] | None]] = set()
+    for composition in plan.compositions:
+        workload = WORKLOADS[f"bert {composition}"]
+        phase = _phase(workload, models, plan.rounds, workload.settle, found, False)
+        built = _new_builds(workload, models, phase, seen)
+        _say_builds(say, built)
+        _say_rows(say, phase)
+        rows += phase
+        builds += built
+
+    moe_base = MOE.model()
+    moe_models = {p: peers.make(p, moe_base) for p in names}
+    # Timed from the first step (steps/s pays the builds); x eager once every mask ran twice.
+    phase = _phase(MOE, moe_models, plan.moe_steps, 0, found, True, MOE.settle)
+    _say_rows(say, phase)
+    rows += phase
+
+    lengths = seq_lengths(plan.lengths)
+    phase = _phase(lengths, models, len(plan.lengths), 0, found, True)
+    _say_rows(say, phase)
+    rows += phase
+    return rows, builds, cost
 
 
 def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load: str) -> list[str]:
-    """How every figure was measured, and under which conditions: the reader's key to the table."""
+    """How every figure was measured, and under which conditions: the reader's key to the tables."""
+    settle = WORKLOADS["bert loss"].settle
     lines = [
         f"{'quick' if quick else 'full'} run of {datetime.date.today()}, {seconds / 60:.1f} min; "
         f"{os.cpu_count()} CPUs, load average {load} (other jobs share the machine); Python "
@@ -187,33 +230,46 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
         f"{onnxruntime.__version__}.",
         "Workload 1: BertPretraining, vocab 8000, hidden 256, 4 layers, batch 8, seq 128; "
         "a step is zero_grad, forward, the composed loss, backward (no optimizer: it is the same "
-        "for every peer). 'loss + scores' adds scores.mean(), 'all three' also nsp.mean(). "
+        "for every peer). 'loss + scores' adds scores.mean(), 'all three' also nsp.mean(); each "
+        "peer's one model runs the compositions in this order. "
         f"Workload 2: MoELayer hidden {MOE_HIDDEN}, {MOE_EXPERTS} experts, input "
         f"{'x'.join(map(str, MOE_SHAPE))}; loss out.pow(2).mean(), plus 0.01 * aux_loss on "
         "every 4th step. Workload 3: workload 1's loss at sequence lengths "
-        f"{', '.join(map(str, plan.lengths))} (one shuffled pass), on the models that ran the "
-        "'bert loss' rows at seq 128 just before.",
+        f"{', '.join(map(str, plan.lengths))} (one shuffled pass), on the models that ran "
+        "workload 1 just before (one graph serves every length: no new signature).",
         "median step / x eager: every peer steps once per round, in an order that rotates from "
         "round to round; x eager is the median over rounds of the step time divided by eager's "
         f"step time in the same round. Workload 1: {plan.rounds} timed rounds per composition "
-        "after 2 untimed warm-up rounds; workload 2: every step from the first; workload 3: "
-        "every step.",
-        "steps/s (workloads 2 and 3): steps divided by their total time, first steps, rebuilds "
+        f"after {settle} untimed warm-up rounds (lazygrad's first step of a signature runs in "
+        "eager PyTorch and builds its mask's graphs at its backward, a new mask builds at its "
+        "first backward, and the next step is ORT's first run of the new graphs); workload 2: "
+        f"{plan.moe_steps} steps timed from the first, median and x eager over the steps after "
+        f"the first {MOE.settle} (each mask seen twice); workload 3: every step.",
+        "steps/s (workloads 2 and 3): steps divided by their total time, first steps, builds "
         "and recomputes included.",
-        "first step s / peak MiB: fresh processes. lazygrad: one per peer and workload (its "
-        "sessions are per grad mask); eager and torch.compile: one per peer for the workload-1 "
-        "compositions in turn (only the first one's first step is cold) and one for workload 2. "
-        "First step: the first call and its backward: export, graph builds and ORT session "
-        "creation for lazygrad, tracing and compilation for torch.compile (inductor cache in a "
-        "new directory). Peak: the process's peak resident set (VmHWM, reset after the warm-up "
+        "first step s / peak MiB: fresh processes, one per peer for the workload-1 compositions "
+        "in turn (only the first one's first step is cold; for lazygrad a later composition's "
+        "first step builds that mask's graphs) and one per peer for workload 2"
+        f"{'' if plan.fresh_bert else ' (--quick: workload 2 only)'}. First step: the first call "
+        "and its backward: for lazygrad an eager step plus the graph build of its mask (trace, "
+        "export, check), for torch.compile tracing and compilation (inductor cache in a new "
+        "directory). Peak: the process's peak resident set (VmHWM, reset after the warm-up "
         "steps) over one cycle of steady steps, minus the resident set after the model was built; "
         "glibc returns large blocks on free (MALLOC_MMAP_THRESHOLD_=256 KiB). It counts "
-        "activations or stashed tensors, gradients, workspaces and cached graphs.",
-        "exports / builds / hit rate: lazygrad.stats over the phase, warm-up included; planning "
-        "the first stash counts as a build; lazygrad's on-disk graph cache is off "
-        "(LAZYGRAD_CACHE_DIR=''), so every graph is built. torch.compile: builds = graphs dynamo "
-        "compiled in the phase. Workload-1 lazygrad models are new per composition; the eager and "
-        "torch.compile models serve every composition.",
+        "activations or stashed tensors, gradients, workspaces and cached graphs (for lazygrad "
+        "the pairs of every composition run so far).",
+        "exports / builds / hit rate: lazygrad.stats over the phase, warm-up included; a build "
+        "is one (signature, mask) pair traced, exported and checked; lazygrad's on-disk graph "
+        "cache is off (LAZYGRAD_CACHE_DIR=''), so every graph is built. torch.compile: builds = "
+        "graphs dynamo compiled in the phase.",
+        "Build table: per pair a lazygrad model built during a workload-1 phase, the seconds of "
+        "each stage (lazygrad.stats(model).entries[i].phases: trace = AOTAutograd on fake "
+        "tensors and partition, export = both graphs to ONNX, check = the new pair run once "
+        "against its FX graphs in torch) and build s (EntryStats.build_seconds, the stages and "
+        "the bookkeeping around them); x eager is that model's steady step from the table above. "
+        "'lazygrad all' builds the all-outputs pair once and serves every mask with it. The "
+        "per-call overhead's model was built first in this process, so no build here pays the "
+        "tracer's and exporter's one-off imports.",
         f"Per-call overhead (ThreeHeadMLP, 6x16 input, eval + no_grad, {plan.overhead_blocks} "
         f"interleaved blocks of 200 calls, medians): lazygrad call {cost.lazygrad_us:.0f} us, "
         f"lazygrad's GraphSession.run {cost.session_us:.0f} us, ORT run_with_iobinding on a "
@@ -223,7 +279,8 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
     if not plan.compile:
         lines.append(
             "torch.compile was skipped (--quick): its first compilation takes 40-100 s here. "
-            "--quick also runs only the 'loss' composition, 3 rounds and 3 sequence lengths."
+            "--quick also runs only the 'loss' composition, 3 rounds and 3 sequence lengths, "
+            "and workload 1 in no fresh process."
         )
     return lines
 
@@ -242,10 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     say = Progress()
     load_before = f"{os.getloadavg()[0]:.1f}"
-    rows, cost = run(plan, say)
+    rows, builds, cost = run(plan, say)
     load = f"{load_before} at start, {os.getloadavg()[0]:.1f} at end"
     seconds = time.perf_counter() - say.start
-    text = report.markdown(rows, notes(plan, args.quick, cost, seconds, load))
+    text = report.markdown(rows, notes(plan, args.quick, cost, seconds, load), builds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     report.plot(rows, args.out / "steps.png")

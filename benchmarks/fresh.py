@@ -1,9 +1,9 @@
 """First step and peak memory, each peer in a fresh process (`python -m benchmarks.fresh SPEC`).
 
-Fresh, because both figures are about what a process pays once: export, graph builds and session
-creation for lazygrad, compilation for torch.compile; and because ONNX Runtime's allocator arenas
-(one per session) never shrink, so a second configuration in the same process would show the
-first one's memory.
+Fresh, because both figures are about what a process pays once: an eager first step and the graph
+build of each grad mask for lazygrad, compilation for torch.compile; and because allocators keep
+memory a process once used, so a second configuration in the same process would show the first
+one's memory.
 
 Memory is the process's resident set size: the peak over one cycle of steady steps (after the
 workload's settling steps) minus the resident size after the model was built, i.e. what training

@@ -17,12 +17,11 @@ from collections.abc import Callable
 
 import torch
 from onnxruntime.capi import _pybind_state as ort_c
-from torch.utils.dlpack import to_dlpack
 
 import lazygrad
 from lazygrad.api import runtime_of
 from lazygrad.examples.models import ThreeHeadMLP
-from lazygrad.session import GraphSession
+from lazygrad.session import GraphSession, _to_ortvalue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +41,22 @@ class Overhead:
 def _inference_session(
     model: torch.nn.Module, x: torch.Tensor
 ) -> tuple[GraphSession, dict[str, torch.Tensor]]:
-    """The session lazygrad made for the model's only signature, and its feeds for input `x`.
+    """The forward session of the model's only graph pair, and its feeds for input `x`.
 
-    The model has only run in eval mode under no_grad, so that session is the inference graph and
-    is the only one.
+    The model has only run in eval mode under no_grad, so its one pair is the inference graph
+    (mask None, no backward), built right after the first, eager, call. Its forward feeds are
+    primals only (no random draws): module state in `named_parameters` then `named_buffers`
+    order, then `x`, as the runtime lays them out.
     """
-    (entry,) = runtime_of(model)._signatures.values()
-    (session,) = entry.sessions.values()
-    state = dict(model.named_parameters())
-    tensors = [state[name] for name in entry.exported.state_names] + [x]
-    return session, dict(zip(entry.exported.graph_inputs, tensors))
+    (entry,) = runtime_of(model)._pairs.values()
+    pair = entry.pair
+    session = pair.session("forward", torch.device("cpu"))
+    primals = [*model.parameters(), *model.buffers(), x]
+    feeds = {
+        name: primals[feed.index]
+        for name, feed in zip(session.input_names, pair.graphs.forward_feeds, strict=True)
+    }
+    return session, feeds
 
 
 def _per_call_us(call: Callable[[], object], calls: int) -> float:
@@ -61,24 +66,34 @@ def _per_call_us(call: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def _ort_run(session: GraphSession, feeds: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """ORT's own run of `session`'s graph on an IOBinding bound once: nothing of lazygrad's."""
+    raw = session._session._sess
+    binding = ort_c.SessionIOBinding(raw)
+    for name, tensor in feeds.items():
+        binding.bind_ortvalue_input(name, _to_ortvalue(tensor))
+    for name in session.output_names:
+        binding.bind_output(name, session._output_device)
+    return lambda: raw.run_with_iobinding(binding, None)
+
+
 def measure(blocks: int, calls: int = 200) -> Overhead:
-    """Median over `blocks` interleaved blocks of `calls` calls of each way."""
+    """Median over `blocks` interleaved blocks of `calls` calls of each way.
+
+    Two calls before timing: the first runs in eager PyTorch and builds the inference graph,
+    the second is ORT's first run of it.
+    """
     torch.manual_seed(0)
     model = lazygrad.lazy(ThreeHeadMLP()).eval()
     x = torch.randn(6, 16)
     with torch.no_grad():
         model(x)
+        model(x)
         session, feeds = _inference_session(model, x)
-        raw = session._session._sess
-        binding = ort_c.SessionIOBinding(raw)
-        for name, tensor in feeds.items():
-            binding.bind_ortvalue_input(name, ort_c.OrtValue.from_dlpack(to_dlpack(tensor), False))
-        for name in session.output_names:
-            binding.bind_output(name, session._output_device)
         ways: dict[str, Callable[[], object]] = {
             "lazygrad": lambda: model(x),
             "session": lambda: session.run(feeds),
-            "ort": lambda: raw.run_with_iobinding(binding, None),
+            "ort": _ort_run(session, feeds),
         }
         times: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(blocks):
@@ -86,4 +101,3 @@ def measure(blocks: int, calls: int = 200) -> Overhead:
                 times[name].append(_per_call_us(call, calls))
     medians = {name: statistics.median(values) for name, values in times.items()}
     return Overhead(medians["lazygrad"], medians["session"], medians["ort"])
-

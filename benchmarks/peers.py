@@ -62,6 +62,11 @@ def builds(peer: str, model: nn.Module, compiled_before: int) -> Builds:
     return Builds()
 
 
+def built(peer: str, model: nn.Module) -> list[lazygrad.EntryStats]:
+    """The graph pairs a lazygrad peer holds, with their build seconds per stage; [] for others."""
+    return lazygrad.stats(model).entries if peer in (LAZY, LAZY_ALL) else []
+
+
 def reset(peer: str, model: nn.Module) -> None:
     """Zero lazygrad's counters so a phase reports only its own builds and hits."""
     if peer in (LAZY, LAZY_ALL):

@@ -25,9 +25,52 @@ class Row:
     hit_rate: float | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildRow:
+    """Graphs one lazygrad peer built during one workload-1 phase, next to its steady step.
+
+    mask None: the phase built nothing (a pair built in an earlier phase serves its mask).
+    """
+
+    workload: str
+    peer: str
+    mask: tuple[bool, ...] | None
+    phases: dict[str, float]  # seconds per build stage (lazygrad.EntryStats.phases)
+    build_s: float | None  # EntryStats.build_seconds: the stages and the bookkeeping around them
+    ratio: float  # steady step / eager's, as in the main table
+
+
 HEADER = (
     "workload", "peer", "median step ms", "x eager", "steps/s", "first step s", "peak MiB",
     "exports", "builds", "hit rate",
+)
+PHASES = ("trace", "export", "check")
+BUILD_HEADER = (
+    "workload", "peer", "mask built", *(f"{phase} s" for phase in PHASES), "build s", "x eager",
+    "previous design: x eager *", "previous design: build s *",
+)
+
+# The previous design (TorchScript export, onnxruntime-training's gradient builder), quoted and
+# not re-measured: x eager from its full run of 2026-12-02 (benchmarks/results/results.md as
+# committed in dbe8829: same workloads, same interleaving, default threads), and its graph
+# builds per mask and its 1-thread step as issue 8 quotes them.
+PREVIOUS_RATIOS = {
+    ("bert loss", "lazygrad all"): 1.30,
+    ("bert loss", "lazygrad"): 1.14,
+    ("bert loss + scores", "lazygrad all"): 1.07,
+    ("bert loss + scores", "lazygrad"): 1.09,
+    ("bert all three", "lazygrad all"): 1.08,
+    ("bert all three", "lazygrad"): 1.20,
+}
+PREVIOUS_BUILD_S = "0.02-0.06"
+PREVIOUS_NOTE = (
+    "\\* Previous design (TorchScript export + onnxruntime-training's gradient builder): "
+    "figures measured on 2026-12-02, quoted here, not re-measured. x eager: its full run of "
+    "2026-12-02 (`benchmarks/results/results.md` as committed in dbe8829: same workloads, same "
+    "interleaving, default threads); at 1 thread it measured 1.37x eager on the loss mask (issue "
+    "8, DESIGN.md). Build s: 0.02-0.06 s per mask as issue 8 quotes it: onnxruntime-training's "
+    "gradient graph of a forward exported before, whose export (about 1 s per signature) is not "
+    "in that figure; here build s covers tracing, exporting and checking both graphs of a mask."
 )
 
 
@@ -50,23 +93,59 @@ def cells(row: Row) -> list[str]:
     ]
 
 
-def table(rows: Sequence[Row]) -> str:
+def mask_text(mask: tuple[bool, ...]) -> str:
+    """A grad mask as lazygrad.stats prints it: one digit per output, 1 = got a gradient."""
+    return "".join("1" if bit else "0" for bit in mask)
+
+
+def build_cells(row: BuildRow) -> list[str]:
+    previous = PREVIOUS_RATIOS.get((row.workload, row.peer))
+    return [
+        row.workload,
+        row.peer,
+        "none new" if row.mask is None else mask_text(row.mask),
+        *(_cell(row.phases.get(phase), ".1f") for phase in PHASES),
+        _cell(row.build_s, ".1f"),
+        _cell(row.ratio, ".2f"),
+        _cell(previous, ".2f"),
+        PREVIOUS_BUILD_S if row.mask is not None else MISSING,
+    ]
+
+
+def _grid(header: Sequence[str], body: Sequence[list[str]]) -> str:
     """A markdown table, padded so it also reads well in a terminal."""
-    lines = [list(HEADER), *(cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    lines = [list(header), *body]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
 
     def render(line: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([render(lines[0]), rule, *(render(line) for line in lines[1:])])
 
 
-def markdown(rows: Sequence[Row], notes: Sequence[str]) -> str:
-    """The whole results file: the table, then how each figure was measured."""
-    return "\n".join(
-        ["# lazygrad benchmarks", "", table(rows), "", *(f"- {note}" for note in notes), ""]
-    )
+def table(rows: Sequence[Row]) -> str:
+    return _grid(HEADER, [cells(row) for row in rows])
+
+
+def build_table(rows: Sequence[BuildRow]) -> str:
+    return _grid(BUILD_HEADER, [build_cells(row) for row in rows])
+
+
+def markdown(rows: Sequence[Row], notes: Sequence[str], builds: Sequence[BuildRow] = ()) -> str:
+    """The whole results file: the peers table, the builds per mask against the previous
+    design's figures (when measured), then how each figure was measured."""
+    lines = ["# lazygrad benchmarks", "", table(rows), ""]
+    if builds:
+        lines += [
+            "## Build seconds per mask and steady step, workload 1 (BERT-shaped)",
+            "",
+            build_table(builds),
+            "",
+            PREVIOUS_NOTE,
+            "",
+        ]
+    return "\n".join([*lines, *(f"- {note}" for note in notes), ""])
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:

@@ -54,4 +54,4 @@ def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
     Pairing by round cancels drift that is slower than a round, which the ratio of two medians
     taken over the whole run would not.
     """
-    return statistics.median(t / b for t, b in zip(times, baseline))
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))

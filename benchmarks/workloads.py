@@ -70,7 +70,10 @@ def bert(composition: str) -> Workload:
         model=_bert_model,
         inputs=lambda index: _bert_inputs(BERT_SEQ),
         loss=lambda out, index: compose(out),
-        settle=2,  # lazygrad's first step plans for every output, the second for the mask seen
+        # lazygrad: step 0 runs in eager PyTorch (or, on a model that ran another composition,
+        # with the old mask's forward) and builds this mask's graphs at its backward; step 1 is
+        # ORT's first run of them; step 2 on is steady.
+        settle=3,
         cycle=1,
     )
 
@@ -96,7 +99,7 @@ MOE = Workload(
     model=_moe_model,
     inputs=lambda index: _moe_input(),
     loss=_moe_loss,
-    settle=AUX_EVERY,
+    settle=2 * AUX_EVERY,  # every mask seen twice (the aux mask at steps 3 and 7)
     cycle=AUX_EVERY,
 )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lazygrad import disk_cache
+from lazygrad import builder, disk_cache
 from lazygrad.capture import CaptureError, capture, export
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, LazygradError, explain_bad_input
@@ -274,38 +274,9 @@ class Runtime:
     ) -> PairEntry:
         started = time.perf_counter()
         try:
-            captured = capture(
-                self.module,
-                self.forward_fn,
-                entry.state_names,
-                primals,
-                entry.call.rebuild,
-                lambda result: flatten(result)[0],
-                mask,
-                recompute=self.options.policy == "recompute",
-                static_shapes=signature.shapes is not None,
+            pair, from_disk = builder.run(
+                lambda: self._build_pair(signature, entry, mask, primals, cotangents, device)
             )
-            if mask is not None and any(
-                bit and traced != eager
-                for bit, traced, eager in zip(mask, captured.differentiable, entry.differentiable)
-            ):
-                raise CaptureError(
-                    "the trace and eager PyTorch disagree on which outputs carry a gradient "
-                    f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
-                )
-            key = captured.fingerprint(mask, self.options.policy == "recompute",
-                                       disk_cache.versions())
-            graphs = self._disk.load(key) if self._disk else None
-            from_disk = graphs is not None
-            if graphs is None:
-                graphs = export(captured)
-            pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
-            if not from_disk:
-                checked = time.perf_counter()
-                verify(captured, pair, primals, cotangents, device)
-                graphs.seconds["check"] = time.perf_counter() - checked
-                if self._disk:
-                    self._disk.store(key, graphs)
         except (CaptureError, VerificationError, GraphRunError) as error:
             raise BuildFailed(str(error)) from error
         if from_disk:
@@ -316,10 +287,53 @@ class Runtime:
             mask=mask,
             forward=entry.id,
             build_seconds=0.0 if from_disk else time.perf_counter() - started,
-            phases=dict(graphs.seconds),
+            phases=dict(pair.graphs.seconds),
             from_disk=from_disk,
         )
         return PairEntry(pair, stats)
+
+    def _build_pair(
+        self,
+        signature: Signature,
+        entry: SignatureEntry,
+        mask: Mask | None,
+        primals: list[torch.Tensor],
+        cotangents: tuple | None,
+        device: torch.device,
+    ) -> tuple[GraphPair, bool]:
+        """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
+        captured = capture(
+            self.module,
+            self.forward_fn,
+            entry.state_names,
+            primals,
+            entry.call.rebuild,
+            lambda result: flatten(result)[0],
+            mask,
+            recompute=self.options.policy == "recompute",
+            static_shapes=signature.shapes is not None,
+        )
+        if mask is not None and any(
+            bit and traced != eager
+            for bit, traced, eager in zip(mask, captured.differentiable, entry.differentiable)
+        ):
+            raise CaptureError(
+                "the trace and eager PyTorch disagree on which outputs carry a gradient "
+                f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
+            )
+        key = captured.fingerprint(mask, self.options.policy == "recompute",
+                                   disk_cache.versions())
+        graphs = self._disk.load(key) if self._disk else None
+        if graphs is not None:
+            return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
+        graphs = export(captured)
+        pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
+        checked = time.perf_counter()
+        verify(captured, pair, primals, cotangents, device)
+        graphs.seconds["check"] = time.perf_counter() - checked
+        if self._disk:
+            self._disk.store(key, graphs)
+        return pair, False
 
     def _count_recompute(self) -> None:
         with self._lock:

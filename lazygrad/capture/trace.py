@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -95,6 +96,9 @@ def fake_primals(
     return fakes
 
 
+_lock = threading.Lock()
+
+
 def trace(
     fn: Callable[..., tuple[torch.Tensor, ...]],
     primals: Sequence[torch.Tensor],
@@ -104,8 +108,19 @@ def trace(
     """Trace `fn(*primals)` (flat tensors in, flat tensors out) with AOTAutograd.
 
     `training`: trace the joint forward+backward (the primals that require grad are
-    differentiated); otherwise the inference graph alone.
+    differentiated); otherwise the inference graph alone. One trace at a time in the process:
+    functorch's transform levels and the compiling flag are not per thread.
     """
+    with _lock:
+        return _trace(fn, primals, dynamic, training)
+
+
+def _trace(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    dynamic: Sequence[bool],
+    training: bool,
+) -> Traced:
     # Non-fake inputs allowed: a tensor the forward makes from Python values (torch.tensor of a
     # size) is a constant of the trace, and the size it read becomes a guard.
     mode = private.FakeTensorMode(
