@@ -302,17 +302,18 @@ class Runtime:
         device: torch.device,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
-        captured = capture(
-            self.module,
-            self.forward_fn,
-            entry.state_names,
-            primals,
-            entry.call.rebuild,
-            lambda result: flatten(result)[0],
-            mask,
-            recompute=self.options.policy == "recompute",
-            static_shapes=signature.shapes is not None,
-        )
+        with builder.autocast(signature.autocast):
+            captured = capture(
+                self.module,
+                self.forward_fn,
+                entry.state_names,
+                primals,
+                entry.call.rebuild,
+                lambda result: flatten(result)[0],
+                mask,
+                recompute=self.options.policy == "recompute",
+                static_shapes=signature.shapes is not None,
+            )
         if mask is not None and any(
             bit and traced != eager
             for bit, traced, eager in zip(mask, captured.differentiable, entry.differentiable)

@@ -73,17 +73,22 @@ def test_instance_wrapper_keeps_state_dict_parameters_and_modules():
     assert [name for name, _ in model.named_modules()] == modules
 
 
-def test_train_eval_switch_selects_graphs_and_eval_has_no_autograd_node():
+def test_train_and_eval_get_their_own_graphs_and_eval_still_differentiates_like_eager():
+    """As in eager PyTorch, eval mode changes what the modules compute, not whether autograd
+    records: eval-mode outputs carry gradients (a frozen-BatchNorm fine-tune needs them)."""
     torch.manual_seed(0)
     model = LazyMLP()
     x = torch.randn(3, 16)
-    model.eval()
-    out = model(x)[0]
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        for _ in range(2):  # the second step runs through ORT
+            _assert_same_training_step(model, x)
+        assert type(model(x)[0].grad_fn).__name__ == "LazyFunctionBackward"
+    with torch.no_grad():
+        out = model.eval()(x)[0]
     assert out.grad_fn is None and not out.requires_grad
     assert_close(out, _reference(model).eval()(x)[0].detach(), "eval output")
-    model.train()
-    assert model(x)[0].grad_fn is not None
-    assert lazygrad.stats(model).exports == 2  # one graph per train/eval flag
+    assert lazygrad.stats(model).exports == 3  # train, eval, and eval without grad
 
 
 def test_no_grad_gives_plain_tensors():

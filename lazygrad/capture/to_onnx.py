@@ -28,11 +28,18 @@ _lock = threading.Lock()
 
 
 def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
+    gm, constants = _lift_constants(gm)
     inputs = placeholders(gm)
     outputs = list(output_node(gm).args[0])
     signature = private.ExportGraphSignature(
         input_specs=[
             private.InputSpec(
+                kind=private.InputKind.CONSTANT_TENSOR,
+                arg=private.TensorArgument(name=p.name),
+                target=p.name,
+            )
+            if p.name in constants
+            else private.InputSpec(
                 kind=private.InputKind.USER_INPUT,
                 arg=private.TensorArgument(name=p.name),
                 target=None,
@@ -57,7 +64,8 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
                     env = size.node.shape_env
                     for symbol in size.node.expr.free_symbols:
                         ranges[symbol] = env.var_to_range.get(symbol)
-    in_spec = pytree.tree_flatten(((tuple(range(len(inputs))),), {}))[1]
+    user_inputs = len(inputs) - len(constants)
+    in_spec = pytree.tree_flatten(((tuple(range(user_inputs)),), {}))[1]
     out_spec = pytree.tree_flatten(tuple(range(len(outputs))))[1]
     call_graph = [
         private.ModuleCallEntry(
@@ -73,7 +81,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         range_constraints=ranges,
         module_call_graph=call_graph,
         example_inputs=None,
-        constants={},
+        constants=constants,
         verifiers=None,
     )
     with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
@@ -88,3 +96,27 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
     # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
     return onnx_program.model_proto
+
+
+def _lift_constants(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, torch.Tensor]]:
+    """A copy of `gm` whose tensor constants (`torch.tensor(...)` in the forward: get_attr
+    nodes) are lifted to leading placeholders, as an ExportedProgram holds them."""
+    attributes = [
+        n for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)
+    ]
+    if not attributes:
+        return gm, {}
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    constants = {}
+    for node in attributes:
+        lifted = graph.placeholder(f"lifted_{node.name}")
+        lifted.meta.update(node.meta)
+        value = getattr(gm, node.target)
+        if "val" not in lifted.meta:
+            lifted.meta["val"] = value
+        constants[lifted.name] = value
+        mapping[node] = lifted
+    graph.output(graph.graph_copy(gm.graph, mapping))
+    return fx.GraphModule(gm, graph), constants
