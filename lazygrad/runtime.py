@@ -375,10 +375,13 @@ class Runtime:
         with self._lock:
             if signature in self._fallbacks:
                 return
+            warned = reason in self._fallbacks.values()
             self._fallbacks[signature] = reason
             self.stats.fallbacks += 1
             for key in [k for k in self._pairs.keys() if k[0] == signature]:
                 self._pairs.pop(key, None)
+        if warned:
+            return  # one warning per reason, however many signatures share it
         warnings.warn(
             f"lazygrad falls back to eager PyTorch for this input signature: {reason}",
             FallbackWarning,

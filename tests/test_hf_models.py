@@ -34,11 +34,8 @@ def _bert() -> tuple[torch.nn.Module, dict]:
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        # "sdpa" works too, but its trace bakes sizes in (one graph per shape): eager attention
-        # keeps one graph for every batch size and sequence length.
-        attn_implementation="eager",
     )
-    model = transformers.BertForPreTraining(config)
+    model = transformers.BertForPreTraining(config)  # default attention (SDPA)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 100, (2, 10), generator=generator)
     labels = torch.where(torch.rand(2, 10, generator=generator) < 0.3, ids, -100)
@@ -74,7 +71,7 @@ def test_bert_for_pretraining_every_loss_composition_matches_eager():
             _assert_grads_match(lazy, model, what)
     stats = lazygrad.stats(lazy)
     assert stats.exports == 1 and stats.fallbacks == 0
-    assert stats.misses == 3  # "all" is the planning graph built at export
+    assert stats.misses == 4 and stats.eager_steps == 1  # one pair per composition's mask
 
 
 def _olmoe() -> tuple[torch.nn.Module, dict]:
@@ -97,9 +94,11 @@ MOE_COMPOSITIONS = {
 
 
 def test_moe_with_router_aux_loss_falls_back_once_and_matches_eager():
-    """OLMoE's forward converts traced sizes to Python booleans (`attn_output.size() != ...` and
-    `padding_idx >= weight.size(0)`), which the runtime cannot tell from a value-dependent branch:
-    it runs the model in eager PyTorch, with one warning, and gradients are eager's."""
+    """OLMoE dispatches tokens to experts by the router's choices: transformers 4 loops over the
+    experts that were hit (sizes from `nonzero()`, data-dependent), transformers 5 calls its own
+    `grouped_mm` op (no ONNX translation). Either way the model runs in eager PyTorch with one
+    warning naming the reason, and gradients are eager's. (Its first call also sets a Python
+    attribute, so the second call is a second signature: counted, not warned about again.)"""
     model, batch = _olmoe()
     lazy = lazygrad.lazy(copy.deepcopy(model))
     with warnings.catch_warnings(record=True) as caught:
@@ -114,5 +113,8 @@ def test_moe_with_router_aux_loss_falls_back_once_and_matches_eager():
             compose(expected).backward()
             _assert_grads_match(lazy, model, what)
     fallbacks = [w for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
-    assert len(fallbacks) == 1 and "Python boolean" in str(fallbacks[0].message)
-    assert lazygrad.stats(lazy).fallbacks == 1
+    assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
+    message = str(fallbacks[0].message)
+    assert "OlmoeForCausalLM" in message
+    assert "depends on tensor values" in message or "grouped_mm" in message
+    assert lazygrad.stats(lazy).fallbacks >= 1
