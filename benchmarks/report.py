@@ -67,8 +67,8 @@ PREVIOUS_NOTE = (
     "\\* Previous design (TorchScript export + onnxruntime-training's gradient builder): "
     "figures measured on 2026-12-02, quoted here, not re-measured. x eager: its full run of "
     "2026-12-02 (`benchmarks/results/results.md` as committed in dbe8829: same workloads, same "
-    "interleaving, default threads); at 1 thread it measured 1.37x eager on the loss mask (issue "
-    "8, DESIGN.md). Build s: 0.02-0.06 s per mask as issue 8 quotes it: onnxruntime-training's "
+    "interleaving, default threads); at 1 thread it measured 1.37x eager on this model (issue 8, "
+    "DESIGN.md). Build s: 0.02-0.06 s per mask as issue 8 quotes it: onnxruntime-training's "
     "gradient graph of a forward exported before, whose export (about 1 s per signature) is not "
     "in that figure; here build s covers tracing, exporting and checking both graphs of a mask."
 )
