@@ -43,9 +43,10 @@ def lazy(
     `@lazygrad.lazy` on an `nn.Module` class makes every instance lazy; `lazygrad.lazy(model)`
     makes one existing instance lazy (and returns it). With arguments, `@lazygrad.lazy(...)`.
 
-    policy: what the forward stashes for backward: "predict" (for the mask last seen), "all"
-    (for every output, as ORTModule does) or "recompute" (nothing; the backward recomputes).
-    cache_size: how many graphs of each kind the model keeps (LRU).
+    policy: what the forward keeps for backward: "predict" (what the mask last seen reads),
+    "all" (what every output's backward reads; zeros for the others, as ORTModule does) or
+    "recompute" (inputs and random draws only; the backward recomputes the forward).
+    cache_size: how many pairs of graphs (one per signature and mask) the model keeps (LRU).
     strict: raise `LazygradError` instead of falling back to eager PyTorch.
     """
     options = Options(policy=policy, cache_size=cache_size, strict=strict)

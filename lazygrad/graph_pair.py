@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from lazygrad.capture import Feed, Graphs, apply_views, symbols
+from lazygrad.capture import Graphs, apply_views, symbols
 from lazygrad.session import GraphSession
 
 
@@ -53,8 +53,9 @@ class GraphPair:
         with self._lock:
             found = self._sessions.get(key)
             if found is None:
-                model = self.graphs.forward if which == "forward" else self.graphs.backward
-                feeds = self.graphs.forward_feeds if which == "forward" else self.graphs.backward_feeds
+                forward = which == "forward"
+                model = self.graphs.forward if forward else self.graphs.backward
+                feeds = self.graphs.forward_feeds if forward else self.graphs.backward_feeds
                 persistent = frozenset(
                     value.name for value, feed in zip(model.graph.input, feeds)
                     if feed.kind == "primal" and feed.index < self._persistent

@@ -33,7 +33,14 @@ from lazygrad.graph_pair import GraphPair
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
 from lazygrad.session import GraphRunError
-from lazygrad.signature import FlatCall, OutputTemplate, Signature, flatten, flatten_call, signature_of
+from lazygrad.signature import (
+    FlatCall,
+    OutputTemplate,
+    Signature,
+    flatten,
+    flatten_call,
+    signature_of,
+)
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step
 from lazygrad.verify import VerificationError, verify
@@ -258,7 +265,7 @@ class Runtime:
             if mask is not None:
                 self.stats.misses += 1
             built = self._build(signature, entry, mask, primals, cotangents, device)
-            if not any(s == signature for s, _ in self._pairs.keys()):
+            if not any(s == signature for s, _ in self._pairs):
                 self.stats.exports += 1
             self._pairs[key] = built
             return built.pair
@@ -378,7 +385,7 @@ class Runtime:
             warned = reason in self._fallbacks.values()
             self._fallbacks[signature] = reason
             self.stats.fallbacks += 1
-            for key in [k for k in self._pairs.keys() if k[0] == signature]:
+            for key in [k for k in self._pairs if k[0] == signature]:
                 self._pairs.pop(key, None)
         if warned:
             return  # one warning per reason, however many signatures share it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -114,6 +115,24 @@ def private_disk_cache(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "graph-cache"
     monkeypatch.setenv("LAZYGRAD_CACHE_DIR", str(directory))
     return directory
+
+
+@pytest.fixture(autouse=True)
+def no_silent_fallback(request):
+    """A fallback passes any gradient test (eager computes the gradients): every test fails on a
+    FallbackWarning unless it is marked `falls_back` (it tests a fallback on purpose)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", lazygrad.FallbackWarning)
+        yield
+    if request.node.get_closest_marker("falls_back") is None:
+        fallbacks = [str(w.message) for w in caught
+                     if issubclass(w.category, lazygrad.FallbackWarning)]
+        assert not fallbacks, f"unexpected fallback: {fallbacks}"
+
+
+def ran_through_ort(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether these outputs came from a lazy call through ONNX Runtime (not an eager step)."""
+    return any(type(o.grad_fn).__name__ == "LazyFunctionBackward" for o in outputs)
 
 
 @pytest.fixture(params=sorted(MODEL_CASES))

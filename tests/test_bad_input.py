@@ -163,6 +163,7 @@ def test_create_graph_is_a_clear_not_implemented_error(how):
     _assert_still_trains_like_eager(lazy, eager)
 
 
+@pytest.mark.falls_back
 @pytest.mark.parametrize(
     ("op", "stage"),
     [

@@ -93,6 +93,7 @@ MOE_COMPOSITIONS = {
 }
 
 
+@pytest.mark.falls_back
 def test_moe_with_router_aux_loss_falls_back_once_and_matches_eager():
     """OLMoE dispatches tokens to experts by the router's choices: transformers 4 loops over the
     experts that were hit (sizes from `nonzero()`, data-dependent), transformers 5 calls its own

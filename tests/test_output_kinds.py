@@ -61,6 +61,7 @@ def test_strict_mode_raises_instead_of_falling_back():
     assert lazygrad.stats(model).fallbacks == 0
 
 
+@pytest.mark.falls_back
 def test_fallback_trains_in_eager_and_is_counted_once():
     torch.manual_seed(0)
     plain = Unexportable()
@@ -77,6 +78,7 @@ def test_fallback_trains_in_eager_and_is_counted_once():
     assert lazygrad.stats(model).fallbacks == 1
 
 
+@pytest.mark.falls_back
 def test_autocast_is_part_of_the_signature_and_an_unloadable_graph_falls_back():
     """ORT's CPU provider has no bfloat16 Gemm: that graph falls back; float32 outside runs ORT."""
     torch.manual_seed(0)

@@ -123,6 +123,7 @@ def test_keyword_order_does_not_change_the_signature_but_a_scalar_value_does():
     assert_close(third["logits"].detach(), model(batch, pair, offset=1.5)["logits"], "offset 1.5")
 
 
+@pytest.mark.falls_back
 def test_an_output_object_that_is_not_a_pytree_falls_back_to_eager_with_one_warning():
     class Opaque:
         def __init__(self, tensor: torch.Tensor) -> None:

@@ -19,9 +19,9 @@ import onnx
 import torch
 import torch.fx as fx
 
+from lazygrad.capture import partition, symbols, tidy, to_onnx, trace
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
-from lazygrad.capture import partition, symbols, tidy, to_onnx, trace
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
 
 __all__ = [
@@ -119,7 +119,9 @@ def capture(
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph
-        raise CaptureError(f"cannot prepare the traced graphs: {type(error).__name__}: {error}")
+        raise CaptureError(
+            f"cannot prepare the traced graphs: {type(error).__name__}: {error}"
+        ) from error
     return Captured(
         tidy=tidied,
         draws=parts.draws,

@@ -10,7 +10,6 @@ it for the backward, and feeds the same value to every graph of that step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -109,6 +108,3 @@ def _placeholder(graph: fx.Graph, after: fx.Node | None, name: str, value: torch
 def _dtype_name(value: torch.Tensor) -> str:
     return str(value.dtype).removeprefix("torch.")
 
-
-def sample_all(draws: Sequence[Draw], env: dict[str, int], device: torch.device) -> list[torch.Tensor]:
-    return [draw.sample(env, device) for draw in draws]

@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import torch
 from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import default_partition
@@ -37,8 +38,6 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
 from torch.utils._sympy.printers import PythonPrinter
-
-import torch
 
 # The exporter and the symbolic-shape machinery log every specialisation and skipped torchvision
 # op at WARNING; for a runtime that traces on the user's behalf that is noise.

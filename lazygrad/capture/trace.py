@@ -10,9 +10,9 @@ their heads are not differentiated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
