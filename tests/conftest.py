@@ -30,6 +30,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
     assert error <= RTOL, f"{what}: relative error {error:.2e} > {RTOL:.0e}"
 
 
+def assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    """Every parameter gradient is eager's, and `.grad is None` exactly where eager's is."""
+    lazy_params, eager_params = dict(lazy.named_parameters()), dict(eager.named_parameters())
+    assert list(lazy_params) == list(eager_params), what
+    for name, q in eager_params.items():
+        p = lazy_params[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, f"{what}: {name}.grad")
+
+
 def all_masks(count: int) -> list[tuple[bool, ...]]:
     """Every non-empty grad mask over `count` outputs."""
     return [m for m in itertools.product([False, True], repeat=count) if any(m)]

@@ -13,20 +13,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close
+from conftest import assert_close, assert_grads_equal
 
 import lazygrad
-
-
-def _assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
-    """Every parameter gradient is eager's, and `.grad is None` exactly where eager's is."""
-    lazy_params, eager_params = dict(lazy.named_parameters()), dict(eager.named_parameters())
-    assert list(lazy_params) == list(eager_params), what
-    for name, q in eager_params.items():
-        p = lazy_params[name]
-        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, f"{what}: {name}.grad")
 
 
 def _assert_params_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
@@ -48,7 +37,7 @@ def _step(lazy, eager, args, loss_of, what, optimizers=(), after_backward=None):
     loss_of(expected).backward()
     if after_backward is not None:
         after_backward()
-    _assert_grads_equal(lazy, eager, what)
+    assert_grads_equal(lazy, eager, what)
     for opt in optimizers:
         opt.step()
     return out, expected

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, assert_grads_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,16 +59,6 @@ def _batch(step: int, padding: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attention_mask, "labels": ids}
 
 
-def _assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
-    lazy_params, eager_params = dict(lazy.named_parameters()), dict(eager.named_parameters())
-    assert list(lazy_params) == list(eager_params), what
-    for name, q in eager_params.items():
-        p = lazy_params[name]
-        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, f"{what}: {name}.grad")
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_decoder_lm_with_padding_runs_through_ort_and_trains_like_eager(name):
     factory, padding = MODELS[name]
@@ -91,7 +81,7 @@ def test_decoder_lm_with_padding_runs_through_ort_and_trains_like_eager(name):
                 assert_close(out.logits.detach(), expected.logits.detach(), f"{where}: logits")
                 compose(out).backward()
                 compose(expected).backward()
-                _assert_grads_equal(lazy, eager, where)
+                assert_grads_equal(lazy, eager, where)
                 for opt in opts:
                     opt.step()
     stats = lazygrad.stats(lazy)

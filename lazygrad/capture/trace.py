@@ -112,58 +112,49 @@ def trace(
     functorch's transform levels and the compiling flag are not per thread.
     """
     with _lock:
-        return _trace(fn, primals, dynamic, training)
+        # Non-fake inputs allowed: a tensor the forward makes from Python values (torch.tensor of a
+        # size) is a constant of the trace, and the size it read becomes a guard.
+        mode = private.FakeTensorMode(
+            shape_env=private.ShapeEnv(duck_shape=False), allow_non_fake_inputs=True
+        )
+        fakes = fake_primals(primals, dynamic, mode)
+        where = symbols.locations(fakes)
+        if not training:
+            fakes = [f.detach() for f in fakes]
+        versions = [f._version for f in fakes]
+        got: dict[str, Any] = {}
 
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
+            return private.default_partition(joint, joint_inputs, **kwargs)
 
-def _trace(
-    fn: Callable[..., tuple[torch.Tensor, ...]],
-    primals: Sequence[torch.Tensor],
-    dynamic: Sequence[bool],
-    training: bool,
-) -> Traced:
-    # Non-fake inputs allowed: a tensor the forward makes from Python values (torch.tensor of a
-    # size) is a constant of the trace, and the size it read becomes a guard.
-    mode = private.FakeTensorMode(
-        shape_env=private.ShapeEnv(duck_shape=False), allow_non_fake_inputs=True
-    )
-    fakes = fake_primals(primals, dynamic, mode)
-    where = symbols.locations(fakes)
-    if not training:
-        fakes = [f.detach() for f in fakes]
-    versions = [f._version for f in fakes]
-    got: dict[str, Any] = {}
+        def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
+            got.setdefault("inference", gm)
+            return gm
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
-        return private.default_partition(joint, joint_inputs, **kwargs)
-
-    def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
-        got.setdefault("inference", gm)
-        return gm
-
-    compiled = private.aot_function(
-        fn, keep_first, keep_first, partition_fn=partition, decompositions=decompositions()
-    )
-    try:
-        # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
-        # around the call, or factories in the model (torch.arange) would make real tensors.
-        # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
-        with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
-                sdpa_kernel(SDPBackend.MATH):
-            outputs = compiled(*fakes)
-    except CaptureError:
-        raise
-    except Exception as error:
-        raise CaptureError(describe(error)) from error
-    mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
-    outputs = list(outputs)
-    _refuse_data_dependent_sizes(got.get("joint") or got["inference"])
-    guards = size_guards(mode.shape_env, where)
-    if training and "joint" in got:
-        return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
+        compiled = private.aot_function(
+            fn, keep_first, keep_first, partition_fn=partition, decompositions=decompositions()
+        )
+        try:
+            # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
+            # around the call, or factories in the model (torch.arange) would make real tensors.
+            # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
+            with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
+                    sdpa_kernel(SDPBackend.MATH):
+                outputs = compiled(*fakes)
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise CaptureError(describe(error)) from error
+        mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
+        outputs = list(outputs)
+        _refuse_data_dependent_sizes(got.get("joint") or got["inference"])
+        guards = size_guards(mode.shape_env, where)
+        if training and "joint" in got:
+            return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
+                          guards)
+        return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
                       guards)
-    return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
-                  guards)
 
 
 def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
