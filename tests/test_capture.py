@@ -358,16 +358,23 @@ def test_changing_a_python_attribute_read_by_forward_changes_the_result_as_in_ea
 
 
 class SmallConvNet(torch.nn.Module):
+    """torchvision-style: strided convolution, BatchNorm, max pooling, a grouped convolution,
+    GroupNorm, adaptive average pooling, a linear head."""
+
     def __init__(self) -> None:
         super().__init__()
         # No bias before BatchNorm (as in ResNets): its gradient is zero up to rounding noise.
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
-        self.bn = torch.nn.BatchNorm2d(4)
-        self.fc = torch.nn.Linear(4, 3)
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.grouped = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.gn = torch.nn.GroupNorm(2, 8)
+        self.fc = torch.nn.Linear(8, 3)
 
     def forward(self, x):
-        h = torch.relu(self.bn(self.conv(x)))
-        return self.fc(h.mean(dim=(2, 3)))
+        h = self.pool(torch.relu(self.bn(self.conv(x))))
+        h = torch.relu(self.gn(self.grouped(h)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(h, 1), 1))
 
 
 def _assert_bn_state_equal(lazy: SmallConvNet, eager: SmallConvNet, what: str) -> None:
@@ -384,7 +391,7 @@ def test_batchnorm_training_updates_running_stats_like_eager_then_eval_matches()
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, eager)]
     generator = torch.Generator().manual_seed(1)
     for step in range(3):
-        x = torch.randn(4, 3, 6, 6, generator=generator) + step
+        x = torch.randn(4, 3, 12, 12, generator=generator) + step
         _step(lazy, eager, (x,), lambda o: o.square().sum(), f"step {step}", opts)
         _assert_bn_state_equal(lazy, eager, f"step {step}")
         _assert_params_equal(lazy, eager, f"after step {step}")
@@ -394,7 +401,7 @@ def test_batchnorm_training_updates_running_stats_like_eager_then_eval_matches()
         m.eval()
     with torch.no_grad():
         for step in range(3):
-            x = torch.randn(5, 3, 6, 6, generator=generator)
+            x = torch.randn(5, 3, 12, 12, generator=generator)
             assert_close(lazy(x), eager(x), f"eval call {step}")
     _assert_bn_state_equal(lazy, eager, "after eval")
     assert lazygrad.stats(lazy).fallbacks == 0

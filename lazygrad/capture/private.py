@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 
 import torch
@@ -52,14 +53,26 @@ for _name in (
 
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
-    """`torch.compiler.is_compiling()` is True inside: models skip eager-only checks on values
-    (transformers' attention-mask fast paths) when a graph is traced, as for torch.compile."""
+    """Inside: `torch.compiler.is_compiling()` is True, so models skip eager-only checks on
+    values (transformers' attention-mask fast paths) as for torch.compile; and AOTAutograd's
+    pass that turns Python-float size arithmetic into tensors is off (it is for dynamo's float
+    inputs, and failed with a KeyError on BatchNorm's `n / (n - 1)` of symbolic sizes: the
+    arithmetic stays size arithmetic, which the exporter translates)."""
     previous = torch.compiler._is_compiling_flag
+    previous_tensorify = os.environ.get(_TENSORIFY)
     torch.compiler._is_compiling_flag = True
+    os.environ[_TENSORIFY] = "0"
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = previous
+        if previous_tensorify is None:
+            os.environ.pop(_TENSORIFY, None)
+        else:
+            os.environ[_TENSORIFY] = previous_tensorify
+
+
+_TENSORIFY = "TENSORIFY_PYTHON_SCALARS"  # read by torch._dynamo.utils._is_tensorify_enabled
 
 
 __all__ = [
