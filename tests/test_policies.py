@@ -122,3 +122,28 @@ def test_the_forward_keeps_only_what_the_backward_of_its_mask_reads():
         assert lazygrad.stats(lazy).fallbacks == 0
     logits_bytes = expected[1].numel() * expected[1].element_size()
     assert kept[(True, True, True)] - kept[(False, False, True)] >= logits_bytes, kept
+
+
+@pytest.mark.parametrize("policy", ["predict", "recompute"])
+def test_dropout_under_a_seed_drops_what_eager_drops(policy):
+    """Draws come from torch's generator, as eager's CPU Dropout makes them: under the same seed
+    the lazy model's outputs and gradients are eager's, step after step, through ORT."""
+    torch.manual_seed(0)
+    eager = DropoutNet()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), policy=policy)
+    x = torch.randn(16, 8)
+    for step in range(3):
+        results = []
+        for model in (lazy, eager):
+            torch.manual_seed(100 + step)
+            model.zero_grad(set_to_none=True)
+            out, side, dropped, _ = model(x)
+            (out.sum() + side.pow(2).sum()).backward()
+            results.append((out, dropped))
+        (out, dropped), (out_eager, dropped_eager) = results
+        assert torch.equal(dropped, dropped_eager), f"step {step}: another Dropout mask"
+        assert_close(out.detach(), out_eager.detach(), f"step {step} output")
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+    assert type(out.grad_fn).__name__ == "LazyFunctionBackward"
+    assert lazygrad.stats(lazy).fallbacks == 0

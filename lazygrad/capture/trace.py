@@ -47,8 +47,7 @@ def decompositions() -> dict:
     """The exporter's own decomposition table, applied at trace time, plus two of ours.
 
     `nll_loss_forward`: torchlib (onnxscript 0.7.2) translates it with a fake `total_weight`
-    (1.0), which only its backward reads: gradients came out 32x too large. `native_dropout`:
-    decomposed to `rand_like > p`, so its draw can be lifted out of the graph (draws.py).
+    (1.0), which only its backward reads: gradients came out 32x too large.
     `_native_batch_norm_legit_functional` (BatchNorm in training): ONNX's BatchNormalization
     updates the running variance with the biased batch variance, torch with the unbiased one
     (the check caught it). And the ops ONNX cannot express as they are (lowerings.py).
@@ -58,9 +57,9 @@ def decompositions() -> dict:
     table = private.onnx_decomp.create_onnx_friendly_decomposition_table(implemented)
     table.update(private.get_decompositions([
         aten.nll_loss_forward,
-        aten.native_dropout,
         aten._native_batch_norm_legit_functional,
     ]))
+    table.pop(aten.native_dropout.default, None)  # lifted whole: its draw is eager's (draws.py)
     table.update(lowerings.TABLE)
     return table
 
