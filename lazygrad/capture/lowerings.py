@@ -3,9 +3,10 @@
 PyTorch's derivative formulas stay the source of every gradient; some of the ops they emit have
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel). Such an op is lowered here, at trace time, into ops that
-export: convolution_backward into convolutions. Like torch._decomp's tables these compute the op
-itself, not a gradient of anything, and every graph built with them is checked against torch's
-own op (verify.py) before it serves a step.
+export: convolution_backward (plain and transposed) into convolutions, avg_pool2d_backward into
+a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products. Like torch._decomp's tables these compute the op itself, not a
+gradient of anything, and every graph built with them is checked against torch's own op
+(verify.py) before it serves a step.
 """
 
 from __future__ import annotations
@@ -28,14 +29,22 @@ def convolution_backward(
     groups: int,
     output_mask: list[bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    if transposed:
-        return NotImplemented  # torch raises, the capture fails: that signature falls back
     spatial = list(range(2, grad_output.dim()))
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        grad_input = _input_gradient(grad_output, input, weight, stride, padding, dilation, groups)
+        if transposed:  # the input gradient of a transposed convolution is a convolution
+            grad_input = aten.convolution.default(
+                grad_output, weight, None, stride, padding, dilation, False, [0] * len(stride),
+                groups,
+            )
+        else:
+            grad_input = _input_gradient(grad_output, input, weight, stride, padding, dilation,
+                                         groups)
     if output_mask[1]:
-        grad_weight = _weight_gradient(grad_output, input, weight, stride, padding, dilation,
+        # A transposed convolution's weight gradient is a convolution's with the roles of its
+        # input and output exchanged.
+        source, gradient = (grad_output, input) if transposed else (input, grad_output)
+        grad_weight = _weight_gradient(gradient, source, weight, stride, padding, dilation,
                                        groups)
     if output_mask[2]:
         grad_bias = aten.sum.dim_IntList(grad_output, [0, *spatial])
@@ -87,4 +96,59 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     return aten.reshape.default(y, list(weight.shape))
 
 
-TABLE = {aten.convolution_backward.default: convolution_backward}
+def avg_pool2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """Each window's gradient divided by the window's divisor, spread back over the window:
+    the transposed convolution of a depthwise all-ones kernel. The divisor is the override, or
+    the window's size, or (count_include_pad=False) its number of input elements: the average
+    pooling, padding counted, of an all-ones image, times the window's size. (ceil_mode's
+    clipped last windows are not lowered: the capture falls back.)"""
+    if ceil_mode:
+        return NotImplemented
+    kernel = list(kernel_size) * (2 // len(kernel_size))
+    stride = list(stride or kernel) * (2 // len(stride or kernel))
+    padding = list(padding) * (2 // len(padding))
+    size = kernel[0] * kernel[1]
+    if divisor_override or count_include_pad:
+        spread = aten.div.Scalar(grad_output, divisor_override or size)
+    else:
+        ones = aten.new_ones.default(input, [1, 1, input.shape[2], input.shape[3]])
+        counted = aten.avg_pool2d.default(ones, kernel, stride, padding, False, True, None)
+        spread = aten.div.Tensor(grad_output, aten.mul.Scalar(counted, size))
+    channels = input.shape[1]
+    window = aten.new_ones.default(input, [channels, 1, *kernel])
+    return _input_gradient(spread, input, window, stride, padding, [1, 1], channels)
+
+
+def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """`P_h^T @ grad @ P_w`, with P the (output x input) averaging matrix of each axis: row o
+    averages input positions floor(o*n/out) .. ceil((o+1)*n/out) - 1, as torch's windows do.
+    Built from aranges of the (symbolic) input size, so one graph serves every size."""
+    rows = _averaging(grad_output.shape[-2], input.shape[-2], grad_output)
+    columns = _averaging(grad_output.shape[-1], input.shape[-1], grad_output)
+    return torch.matmul(rows.transpose(0, 1), torch.matmul(grad_output, columns))
+
+
+def _averaging(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
+    index = torch.arange(out, device=like.device)
+    start = torch.div(index * size, out, rounding_mode="floor")
+    end = torch.div((index + 1) * size + out - 1, out, rounding_mode="floor")
+    position = torch.arange(size, device=like.device)
+    inside = (position[None, :] >= start[:, None]) & (position[None, :] < end[:, None])
+    weight = 1.0 / (end - start).to(like.dtype)
+    return torch.where(inside, weight[:, None], torch.zeros((), dtype=like.dtype))
+
+
+TABLE = {
+    aten.convolution_backward.default: convolution_backward,
+    aten.avg_pool2d_backward.default: avg_pool2d_backward,
+    aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+}
