@@ -4,9 +4,9 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel). Such an op is lowered here, at trace time, into ops that
 export: convolution_backward (plain and transposed) into convolutions, avg_pool2d_backward into
-a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products. Like torch._decomp's tables these compute the op itself, not a
-gradient of anything, and every graph built with them is checked against torch's own op
-(verify.py) before it serves a step.
+a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products. Like
+torch._decomp's tables these compute the op itself, not a gradient of anything, and every graph
+built with them is checked against torch's own op (verify.py) before it serves a step.
 """
 
 from __future__ import annotations
