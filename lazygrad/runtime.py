@@ -32,15 +32,9 @@ from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
+from lazygrad.outputs import OutputTemplate, tensors_of
 from lazygrad.session import GraphRunError
-from lazygrad.signature import (
-    FlatCall,
-    OutputTemplate,
-    Signature,
-    flatten,
-    flatten_call,
-    signature_of,
-)
+from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step
 from lazygrad.verify import VerificationError, verify
@@ -316,7 +310,7 @@ class Runtime:
                 entry.state_names,
                 primals,
                 entry.call.rebuild,
-                lambda result: flatten(result)[0],
+                tensors_of,
                 mask,
                 recompute=self.options.policy == "recompute",
                 static_shapes=signature.shapes is not None,

@@ -18,6 +18,7 @@ from conftest import assert_close, assert_grads_equal
 transformers = pytest.importorskip("transformers")
 
 import lazygrad  # noqa: E402
+from lazygrad.outputs import tensors_of  # noqa: E402
 
 VOCAB, BATCH, SEQ = 100, 2, 8
 
@@ -26,7 +27,6 @@ def _gpt2() -> torch.nn.Module:
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=64,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        use_cache=False,  # training: no key/value cache among the outputs
     )
     return transformers.GPT2LMHeadModel(config)  # lm_head tied to the token embedding
 
@@ -35,7 +35,7 @@ def _llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -76,9 +76,18 @@ def test_decoder_lm_with_padding_runs_through_ort_and_trains_like_eager(name):
                     opt.zero_grad(set_to_none=True)
                 out, expected = lazy(**batch), eager(**batch)
                 assert type(out) is type(expected), where
-                assert list(out.keys()) == list(expected.keys()) == ["loss", "logits"], where
+                # The default config's key/value cache (a DynamicCache object) comes back too.
+                assert list(out.keys()) == list(expected.keys()), where
+                assert out.past_key_values is not None, where
+                assert type(out.past_key_values) is type(expected.past_key_values), where
                 assert_close(out.loss.detach(), expected.loss.detach(), f"{where}: loss")
                 assert_close(out.logits.detach(), expected.logits.detach(), f"{where}: logits")
+                cache, expected_cache = (
+                    tensors_of(o.past_key_values) for o in (out, expected)
+                )
+                assert len(cache) == len(expected_cache) == 4, where  # keys, values x 2 layers
+                for got, want in zip(cache, expected_cache):
+                    assert_close(got.detach(), want.detach(), f"{where}: cached keys/values")
                 compose(out).backward()
                 compose(expected).backward()
                 assert_grads_equal(lazy, eager, where)

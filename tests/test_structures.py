@@ -123,31 +123,70 @@ def test_keyword_order_does_not_change_the_signature_but_a_scalar_value_does():
     assert_close(third["logits"].detach(), model(batch, pair, offset=1.5)["logits"], "offset 1.5")
 
 
-@pytest.mark.falls_back
-def test_an_output_object_that_is_not_a_pytree_falls_back_to_eager_with_one_warning():
-    class Opaque:
-        def __init__(self, tensor: torch.Tensor) -> None:
-            self.tensor = tensor
+class Opaque:
+    """A plain object (not a pytree node) holding a tensor, as a Hugging Face cache does."""
 
-    class ReturnsOpaque(torch.nn.Module):
+    def __init__(self, tensor: torch.Tensor, note: str) -> None:
+        self.tensor = tensor
+        self.parts = [tensor * 2, {"scale": 0.5}]
+        self.note = note
+
+
+class ReturnsOpaque(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.linear(x), Opaque(self.linear(x).sum(), "kept")
+
+
+def test_a_plain_object_among_the_outputs_comes_back_holding_this_calls_tensors():
+    torch.manual_seed(0)
+    model = ReturnsOpaque()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    seen = []
+    for step in range(3):
+        x = torch.randn(2, 3) + step
+        for m in (lazy, model):
+            m.zero_grad(set_to_none=True)
+        (_, opaque), (_, expected) = lazy(x), model(x)
+        seen.append(opaque)
+        assert isinstance(opaque, Opaque) and opaque.note == "kept"
+        assert opaque.parts[1] == {"scale": 0.5}
+        assert_close(opaque.tensor.detach(), expected.tensor.detach(), f"step {step} tensor")
+        assert_close(opaque.parts[0].detach(), expected.parts[0].detach(), f"step {step} part")
+        (opaque.tensor + opaque.parts[0]).backward()  # connected to the parameters
+        (expected.tensor + expected.parts[0]).backward()
+        for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} {name}")
+    assert seen[1] is not seen[2]  # a fresh object per call
+    assert type(opaque.tensor.grad_fn).__name__ == "LazyFunctionBackward"
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+@pytest.mark.falls_back
+def test_an_output_that_holds_a_module_falls_back_to_eager_with_one_warning():
+    class ReturnsModule(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.linear = torch.nn.Linear(3, 3)
 
         def forward(self, x):
-            return self.linear(x), Opaque(self.linear(x).sum())
+            return self.linear(x), self.linear
 
     torch.manual_seed(0)
-    model = ReturnsOpaque()
+    model = ReturnsModule()
     lazy = lazygrad.lazy(copy.deepcopy(model))
     x = torch.randn(2, 3)
-    with pytest.warns(lazygrad.FallbackWarning, match="Opaque"):
-        out, opaque = lazy(x)
+    with pytest.warns(lazygrad.FallbackWarning, match="Linear"):
+        out, module = lazy(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", lazygrad.FallbackWarning)
-        out, opaque = lazy(x)  # the fallback is remembered: no second warning
-    opaque.tensor.backward()  # eager: the object's tensor is connected to the parameters
-    model(x)[1].tensor.backward()
+        out, module = lazy(x)  # the fallback is remembered: no second warning
+    assert module is lazy.linear
+    out.sum().backward()
+    model(x)[0].sum().backward()
     for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
         assert_close(p.grad, q.grad, name)
     assert lazygrad.stats(lazy).fallbacks == 1

@@ -94,7 +94,7 @@ def capture(
     state_names: Sequence[str],
     primals: Sequence[torch.Tensor],
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
-    flatten: Callable[[Any], list[Any]],
+    tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
     recompute: bool = False,
     static_shapes: bool = False,
@@ -102,11 +102,11 @@ def capture(
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
     `primals`: the module state (named `state_names`) then the call's tensors; `rebuild` turns
-    the call's tensors back into (args, kwargs), `flatten` a result into its leaves. `mask`
+    the call's tensors back into (args, kwargs), `tensors_of` lists a result's tensors. `mask`
     None: an inference graph. The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
-    fn = trace.functional(module, forward, state_names, rebuild, flatten, mask)
+    fn = trace.functional(module, forward, state_names, rebuild, tensors_of, mask)
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)

@@ -269,7 +269,7 @@ def functional(
     forward: Callable[..., Any],
     state_names: Sequence[str],
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
-    flatten: Callable[[Any], list[Any]],
+    tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """fn(*state, *call tensors) -> the forward's flat tensor outputs, unmasked ones detached.
@@ -286,7 +286,7 @@ def functional(
         args, kwargs = rebuild(list(primals[count:]))
         with eager_mode():
             result = functional_call(original, state, args, kwargs, tie_weights=True)
-        outputs = [leaf for leaf in flatten(result) if isinstance(leaf, torch.Tensor)]
+        outputs = tensors_of(result)
         if mask is None:
             return tuple(outputs)
         return tuple(o if keep else o.detach() for o, keep in zip(outputs, mask))

@@ -1,0 +1,107 @@
+"""A forward's result as flat tensors, and back: what the graphs return and the user receives.
+
+Containers (tuples, lists, dicts, dataclasses, anything registered with torch.utils._pytree,
+Hugging Face's ModelOutput) are flattened by pytree. A plain Python object among the leaves (a
+Hugging Face `DynamicCache`, say) is walked through its attributes, lists, tuples and dicts: its
+tensors become graph outputs too, and each call gets a fresh copy of the object holding that
+call's tensors. Everything else in the result must be a plain value (it is returned as traced).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from lazygrad.signature import flatten
+
+# Non-tensor leaves returned as they were: values that cannot hide a tensor.
+PLAIN = (
+    type(None), bool, int, float, complex, str, bytes, type, torch.dtype, torch.device,
+    torch.Size,
+)
+
+
+def tensors_of(result: Any) -> list[torch.Tensor]:
+    """Every tensor of `result`, in the order the graphs return them."""
+    return [t for leaf in flatten(result)[0] for t in _held(leaf, set())]
+
+
+@dataclasses.dataclass
+class OutputTemplate:
+    """How to rebuild the module's return value from its flat tensor outputs."""
+
+    structure: pytree.TreeSpec
+    leaves: list[Any]  # the first result's leaves: tensors are replaced, objects copied
+    counts: list[int]  # how many tensors each leaf holds
+
+    def __post_init__(self) -> None:
+        # `return a, b, c` of tensors, the common case, is rebuilt without pytree.
+        self.plain_tuple = (
+            self.structure.type is tuple
+            and all(isinstance(leaf, torch.Tensor) for leaf in self.leaves)
+            and all(child.is_leaf() for child in self.structure.children())
+        )
+
+    @classmethod
+    def of(cls, result: Any) -> tuple[OutputTemplate, list[torch.Tensor]]:
+        """The template of a forward's result, and its tensors; ValueError where a leaf can
+        hide tensors that cannot be found (a module, an object with __slots__, a cycle)."""
+        leaves, structure = flatten(result)
+        held = [_held(leaf, set()) for leaf in leaves]
+        return cls(structure, leaves, [len(h) for h in held]), [t for h in held for t in h]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        if self.plain_tuple:
+            return tuple(tensors)
+        supply = iter(tensors)
+        leaves = [
+            _rebuilt(leaf, supply) if count or not isinstance(leaf, PLAIN) else leaf
+            for leaf, count in zip(self.leaves, self.counts)
+        ]
+        return pytree.tree_unflatten(leaves, self.structure)
+
+
+def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, PLAIN):
+        return []
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _held(item, seen)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _held(item, seen)]
+    if isinstance(value, torch.nn.Module) or not hasattr(value, "__dict__") or id(value) in seen:
+        raise ValueError(
+            f"the forward returns a {type(value).__name__}, which is neither a tensor, a plain "
+            "value, a container nor a plain object whose attributes hold them"
+        )
+    seen.add(id(value))
+    return [t for item in vars(value).values() for t in _held(item, seen)]
+
+
+def _rebuilt(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """`value` with its tensors replaced by the next ones of `tensors` (containers and objects
+    copied, plain values shared)."""
+    if isinstance(value, torch.Tensor):
+        return next(tensors)
+    if isinstance(value, PLAIN):
+        return value
+    if isinstance(value, list):
+        return [_rebuilt(item, tensors) for item in value]
+    if isinstance(value, tuple):
+        items = [_rebuilt(item, tensors) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = _rebuilt(item, tensors)
+        return copied
+    copied = copy.copy(value)
+    for key, item in vars(value).items():
+        copied.__dict__[key] = _rebuilt(item, tensors)
+    return copied
