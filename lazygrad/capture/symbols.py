@@ -83,6 +83,14 @@ def emit(graph: fx.Graph, value: object, where: dict[str, tuple[fx.Node, int]]) 
     return _emit(graph, expression(value), where)
 
 
+# torch's sympy functions of two sizes -> the Python operator that computes them on SymInts
+_BINARY = {
+    "FloorDiv": operator.floordiv,
+    "FloatTrueDiv": operator.truediv,
+    "IntTrueDiv": operator.truediv,
+}
+
+
 def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, int]]) -> object:
     def node(target: Callable, args: tuple, val: object) -> fx.Node:
         made = graph.call_function(target, args)
@@ -106,7 +114,16 @@ def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, in
         for arg in args[1:]:
             acc = node(op, (acc, arg), op(val(acc), val(arg)))
         return acc
-    if type(expr).__name__ == "FloorDiv":
+    if isinstance(expr, (sympy.Float, sympy.Rational)):
+        return float(expr)
+    binary = _BINARY.get(type(expr).__name__)
+    if binary is not None:
         a, b = (_emit(graph, arg, where) for arg in expr.args)
-        return node(operator.floordiv, (a, b), operator.floordiv(val(a), val(b)))
+        return node(binary, (a, b), binary(val(a), val(b)))
+    if type(expr).__name__ == "ToFloat":
+        a = _emit(graph, expr.args[0], where)
+        return node(torch.sym_float, (a,), torch.sym_float(val(a)))
+    if isinstance(expr, sympy.Pow) and expr.args[1] == -1:
+        a = _emit(graph, expr.args[0], where)
+        return node(operator.truediv, (1.0, a), operator.truediv(1.0, val(a)))
     raise NotImplementedError(f"size expression {expr} ({type(expr).__name__})")
