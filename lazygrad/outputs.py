@@ -31,19 +31,25 @@ def tensors_of(result: Any) -> list[torch.Tensor]:
     return [t for leaf in flatten(result)[0] for t in _held(leaf, set())]
 
 
+class _Slot:
+    """Where a tensor goes in a template (the template holds none of the first call's)."""
+
+
+_SLOT = _Slot()
+
+
 @dataclasses.dataclass
 class OutputTemplate:
     """How to rebuild the module's return value from its flat tensor outputs."""
 
     structure: pytree.TreeSpec
-    leaves: list[Any]  # the first result's leaves: tensors are replaced, objects copied
-    counts: list[int]  # how many tensors each leaf holds
+    leaves: list[Any]  # the first result's leaves, every tensor replaced by a slot
 
     def __post_init__(self) -> None:
         # `return a, b, c` of tensors, the common case, is rebuilt without pytree.
         self.plain_tuple = (
             self.structure.type is tuple
-            and all(isinstance(leaf, torch.Tensor) for leaf in self.leaves)
+            and all(leaf is _SLOT for leaf in self.leaves)
             and all(child.is_leaf() for child in self.structure.children())
         )
 
@@ -53,17 +59,15 @@ class OutputTemplate:
         hide tensors that cannot be found (a module, an object with __slots__, a cycle)."""
         leaves, structure = flatten(result)
         held = [_held(leaf, set()) for leaf in leaves]
-        return cls(structure, leaves, [len(h) for h in held]), [t for h in held for t in h]
+        slots = [_rebuilt(leaf, iter([_SLOT] * len(h))) for leaf, h in zip(leaves, held)]
+        return cls(structure, slots), [t for h in held for t in h]
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         if self.plain_tuple:
             return tuple(tensors)
         supply = iter(tensors)
-        leaves = [
-            _rebuilt(leaf, supply) if count or not isinstance(leaf, PLAIN) else leaf
-            for leaf, count in zip(self.leaves, self.counts)
-        ]
-        return pytree.tree_unflatten(leaves, self.structure)
+        return pytree.tree_unflatten([_rebuilt(leaf, supply) for leaf in self.leaves],
+                                     self.structure)
 
 
 def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
@@ -84,10 +88,10 @@ def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
     return [t for item in vars(value).values() for t in _held(item, seen)]
 
 
-def _rebuilt(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """`value` with its tensors replaced by the next ones of `tensors` (containers and objects
-    copied, plain values shared)."""
-    if isinstance(value, torch.Tensor):
+def _rebuilt(value: Any, tensors: Iterator[Any]) -> Any:
+    """`value` with its tensors (or slots) replaced by the next ones of `tensors` (containers
+    and objects copied, plain values shared)."""
+    if isinstance(value, (torch.Tensor, _Slot)):
         return next(tensors)
     if isinstance(value, PLAIN):
         return value
