@@ -208,16 +208,11 @@ def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[s
 def describe(error: Exception) -> str:
     """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
     message = str(error).strip().split("\n\n")[0]
-    data_dependent = (
+    if (
         isinstance(error, private.GuardOnDataDependentSymNode)
+        or type(error).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
         or "data-dependent" in message
-        or "DataDependentOutputException" in type(error).__name__
         or "data dependent" in message
-        or "Could not guard on data-dependent" in message
-    )
-    if data_dependent or type(error).__name__ in (
-        "DataDependentOutputException",
-        "DynamicOutputShapeException",
     ):
         return (
             "the forward depends on tensor values (a branch or loop on a tensor's value, "
