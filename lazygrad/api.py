@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 import torch
 
+from lazygrad import attach, runtime
 from lazygrad.options import Options
-from lazygrad.runtime import ORIGINAL_FORWARD, Runtime
+from lazygrad.runtime import Runtime
 from lazygrad.stats import Stats
 
-RUNTIME = "_lazygrad_runtime"
-OPTIONS = "_lazygrad_options"
-
 M = TypeVar("M", bound=torch.nn.Module)
-_creation_lock = threading.Lock()
 
 
 @overload
@@ -63,18 +59,8 @@ def lazy(
     return apply if target is None else apply(target)
 
 
-class LazyForward:
-    """An instance's forward made lazy; a plain object so the module still pickles."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.runtime(args, kwargs)
-
-
 def _lazy_class(cls: type[M], options: Options) -> type[M]:
-    if ORIGINAL_FORWARD in cls.__dict__:
+    if attach.ORIGINAL_FORWARD in cls.__dict__:
         raise TypeError(f"lazygrad: {cls.__name__} is lazy already")
     original = cls.__dict__.get("forward")
     if original is None:
@@ -84,32 +70,26 @@ def _lazy_class(cls: type[M], options: Options) -> type[M]:
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return runtime_of(self)(args, kwargs)
 
-    setattr(cls, ORIGINAL_FORWARD, original)
-    setattr(cls, OPTIONS, options)
+    setattr(cls, attach.ORIGINAL_FORWARD, original)
+    setattr(cls, attach.OPTIONS, options)
     cls.forward = forward  # type: ignore[method-assign]
     return cls
 
 
 def _lazy_instance(module: M, options: Options) -> M:
-    if RUNTIME in module.__dict__ or OPTIONS in type(module).__dict__:
+    if attach.installed(module) is not None or attach.OPTIONS in type(module).__dict__:
         raise TypeError(f"lazygrad: this {type(module).__name__} is lazy already")
-    runtime = Runtime(module, options)
-    module.__dict__[RUNTIME] = runtime
-    module.__dict__["forward"] = LazyForward(runtime)
+    attach.install(module, Runtime(module, options))
     return module
 
 
 def runtime_of(module: torch.nn.Module) -> Runtime:
-    runtime = module.__dict__.get(RUNTIME)
-    if runtime is not None:
-        return runtime
-    options = getattr(type(module), OPTIONS, None)
-    if options is None:
+    found = runtime.runtime_of(module)
+    if found is None:
         raise TypeError(
             f"lazygrad: {type(module).__name__} is not lazy; use @lazygrad.lazy or lazygrad.lazy(m)"
         )
-    with _creation_lock:
-        return module.__dict__.setdefault(RUNTIME, Runtime(module, options))
+    return found
 
 
 def stats(model: torch.nn.Module) -> Stats:

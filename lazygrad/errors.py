@@ -19,6 +19,11 @@ class FallbackWarning(UserWarning):
     """A signature of a lazy module runs in eager PyTorch (the reason is in the message)."""
 
 
+class GraphBreakWarning(FallbackWarning):
+    """A signature of a lazy module cannot be captured whole: its own forward runs in eager
+    PyTorch and its submodules through ORT, each on its own (the reason is in the message)."""
+
+
 def explain_bad_input(
     error: Exception,
     call: FlatCall,

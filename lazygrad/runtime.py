@@ -23,32 +23,46 @@ from typing import Any
 
 import torch
 
-from lazygrad import builder, disk_cache
-from lazygrad.capture import CaptureError, capture, export
+from lazygrad import attach, builder, clock, disk_cache
+from lazygrad.capture import CaptureError, capture, export, functional, unchanged
 from lazygrad.eager import eager_mode, in_eager_mode
-from lazygrad.errors import FallbackWarning, LazygradError, explain_bad_input
+from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.function import LazyFunction, MaskProbe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, tensors_of
+from lazygrad.parts import parts_of
 from lazygrad.session import GraphRunError
 from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
 from lazygrad.stats import EntryStats, Stats
-from lazygrad.step import Step
+from lazygrad.step import Step, set_generator_state
 from lazygrad.verify import VerificationError, verify
 
-ORIGINAL_FORWARD = "_lazygrad_original_forward"
 Mask = tuple[bool, ...]
+_creation_lock = threading.Lock()
+_calling = threading.local()  # inside a lazy module's call on this thread
 
 
-def original_forward(cls: type) -> Any:
-    """The forward a lazy class (or a class with a lazy instance) had before it was made lazy."""
-    for klass in cls.__mro__:
-        if "forward" in klass.__dict__:
-            return klass.__dict__.get(ORIGINAL_FORWARD, klass.__dict__["forward"])
-    raise TypeError(f"lazygrad: {cls.__name__} defines no forward")
+def runtime_of(module: torch.nn.Module, options: Options | None = None) -> Runtime | None:
+    """The module's runtime: the one it holds, or a new one if its class is lazy or `options`
+    are given (installed on the instance then). None: the module is not lazy."""
+    runtime = attach.installed(module)
+    if runtime is not None:
+        return runtime
+    class_options = attach.class_options(module)
+    if class_options is None and options is None:
+        return None
+    with _creation_lock:
+        runtime = attach.installed(module)
+        if runtime is None:
+            runtime = Runtime(module, class_options or options)
+            if class_options is None:
+                attach.install(module, runtime)
+            else:
+                module.__dict__[attach.RUNTIME] = runtime
+        return runtime
 
 
 @dataclasses.dataclass
@@ -70,7 +84,13 @@ class PairEntry:
 
 
 class BuildFailed(Exception):
-    """Graphs for a signature could not be built or checked: the signature falls back."""
+    """Graphs for a signature could not be built or checked: the signature falls back.
+
+    `where`: the submodule whose code failed (`CaptureError.where`), if known."""
+
+    def __init__(self, reason: str, where: str | None = None) -> None:
+        super().__init__(reason)
+        self.where = where
 
 
 class Runtime:
@@ -82,13 +102,16 @@ class Runtime:
         self._init_caches()
 
     def _init_caches(self) -> None:
-        self.forward_fn = original_forward(type(self.module))
+        self.forward_fn = attach.original_forward(type(self.module))
         self._state = ModuleState(self.module)
         self._lock = threading.RLock()
         self.stats = Stats()
         self._entries: dict[Signature, SignatureEntry] = {}
         self._pairs = GraphCache(self.options.cache_size, self._count_eviction)
         self._fallbacks: dict[Signature, str] = {}
+        self._broken: dict[Signature, str] = {}  # signatures run in parts, and why
+        self._parts: list[tuple[str, Runtime]] | None = None  # made at the first break
+        self._doomed: tuple[str, bool, list[str]] | None = None  # see `doom`
         self._ids = itertools.count()
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
@@ -106,17 +129,32 @@ class Runtime:
             self._entries.clear()
             self._pairs.clear()
             self._fallbacks.clear()
+            self._broken.clear()
+            self._doomed = None
+        for _, part in self._parts or []:
+            part.clear()
 
     def reset_stats(self) -> None:
         with self._lock:
-            self.stats = Stats()
+            self.stats = Stats(reasons=self.stats.reasons)  # why is not a counter: it stays
             for entry in self._pairs.values():
                 entry.stats.hits = 0
+        for _, part in self._parts or []:
+            part.reset_stats()
 
     def snapshot(self) -> Stats:
+        """The statistics, with those of every part (and their parts) by qualified name."""
         with self._lock:
             entries = [dataclasses.replace(e.stats) for e in self._pairs.values()]
-            return dataclasses.replace(self.stats, entries=entries)
+            own = dataclasses.replace(self.stats, entries=entries,
+                                      reasons=list(self.stats.reasons))
+        parts: dict[str, Stats] = {}
+        for name, part in self._parts or []:
+            snapshot = part.snapshot()
+            parts[name] = dataclasses.replace(snapshot, parts={})
+            parts.update({f"{name}.{inner}": stats for inner, stats in snapshot.parts.items()})
+        own.parts = parts
+        return own
 
     def _count_eviction(self, key: Hashable, value: Any) -> None:
         self.stats.evictions += 1
@@ -126,6 +164,27 @@ class Runtime:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if in_eager_mode():
             return self._eager(args, kwargs)
+        if getattr(_calling, "active", False):
+            return self._dispatch(args, kwargs)
+        # The module the user called: its forward and backward are timed (`Stats.ort_share`).
+        _calling.active = True
+        started, ort = time.perf_counter(), clock.ort_seconds()
+        try:
+            result = self._dispatch(args, kwargs)
+        finally:
+            _calling.active = False
+        self._count_time(time.perf_counter() - started, clock.ort_seconds() - ort)
+        if torch.is_grad_enabled():
+            clock.time_backward([t for t in tensors_of(result) if t.requires_grad],
+                                self._count_time)
+        return result
+
+    def _count_time(self, wall: float, ort: float) -> None:
+        with self._lock:
+            self.stats.step_seconds += wall
+            self.stats.ort_seconds += ort
+
+    def _dispatch(self, args: tuple, kwargs: dict) -> Any:
         call = flatten_call(args, kwargs)
         with self._lock:
             state, modes = self._state.read()
@@ -137,11 +196,20 @@ class Runtime:
     ) -> Any:
         with self._lock:
             reason = self._fallbacks.get(signature)
+            broken = signature in self._broken
             entry = self._entries.get(signature)
             plan = (entry.plan if signature.grad else None) if entry is not None else None
             found = self._pairs.get((signature, plan)) if entry is not None else None
+        if reason is None and not broken and entry is None and self._doomed is not None:
+            self._run_doomed(signature)
+            with self._lock:
+                reason = self._fallbacks.get(signature)
+                broken = signature in self._broken
         if reason is not None:
             return self._eager(args, kwargs)
+        if broken:
+            # Its own forward in eager PyTorch; its parts' calls reach their runtimes.
+            return self.forward_fn(self.module, *args, **kwargs)
         if found is None:
             return self._first_call(signature, call, state, args, kwargs)
         primals = [*state.values(), *call.tensors]
@@ -165,15 +233,26 @@ class Runtime:
 
     def _step(self, signature: Signature, entry: SignatureEntry, pair: GraphPair,
               env: dict[str, int], device: torch.device) -> Step:
-        def pair_for(mask: Mask, primals: list[torch.Tensor], cotangents: tuple) -> GraphPair:
-            return self._pair_for(signature, entry, mask, primals, cotangents, device)
+        def pair_for(mask: Mask, primals: list[torch.Tensor],
+                     cotangents: tuple) -> GraphPair | None:
+            try:
+                return self._pair_for(signature, entry, mask, primals, cotangents, device)
+            except BuildFailed as failure:
+                # Found at build time, inside this backward: this step's gradients come from
+                # eager PyTorch, and the next call of the signature no longer runs whole.
+                self._give_up(signature, str(failure), failure.where)
+                return None
+
+        def eager_backward(primals: list[torch.Tensor], cotangents: tuple,
+                           generator: torch.Tensor | None) -> list[torch.Tensor | None]:
+            return self._eager_backward(signature, entry, primals, cotangents, generator)
 
         def on_mask(mask: Mask) -> None:
             if self.options.policy != "all":
                 entry.plan = mask
 
         return Step(pair, entry.differentiable, self.options.policy, env, device, pair_for,
-                    self._count_recompute, on_mask)
+                    self._count_recompute, on_mask, eager_backward)
 
     def _infer(self, pair: GraphPair, primals: list[torch.Tensor], env: dict[str, int],
                device: torch.device) -> list[torch.Tensor]:
@@ -209,7 +288,8 @@ class Runtime:
             try:
                 self._pair_for(signature, entry, None, primals, None, device)
             except BuildFailed as failure:
-                return self._fall_back(signature, call, args, kwargs, str(failure), result)
+                return self._fall_back(signature, call, args, kwargs, str(failure), result,
+                                       failure.where)
             return result
         probed = [i for i, t in enumerate(tensors) if t.requires_grad]
         if not probed:
@@ -230,7 +310,7 @@ class Runtime:
             self._pair_for(signature, entry, wanted, primals,
                            cotangents if wanted == mask else None, device)
         except BuildFailed as failure:
-            self._record_fallback(signature, str(failure))
+            self._give_up(signature, str(failure), failure.where)
             return
         with self._lock:
             entry.plan = wanted
@@ -279,7 +359,7 @@ class Runtime:
                 lambda: self._build_pair(signature, entry, mask, primals, cotangents, device)
             )
         except (CaptureError, VerificationError, GraphRunError) as error:
-            raise BuildFailed(str(error)) from error
+            raise BuildFailed(str(error), getattr(error, "where", None)) from error
         if from_disk:
             self.stats.disk_hits += 1
         else:
@@ -343,6 +423,34 @@ class Runtime:
 
     # ---- eager -------------------------------------------------------------------------------
 
+    def _eager_backward(self, signature: Signature, entry: SignatureEntry,
+                        primals: list[torch.Tensor], cotangents: tuple,
+                        generator: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """A step's gradients by eager PyTorch: its forward again from the saved inputs (the
+        random draws replayed from the generator state they were drawn from: they are drawn as
+        eager draws them, `capture/draws.py`), then autograd with the step's cotangents."""
+        forward = functional(self.module, self.forward_fn, entry.state_names, entry.call.rebuild,
+                             tensors_of, None)
+        inputs = [p.detach().requires_grad_(p.requires_grad) for p in primals]
+        wanted = [i for i, p in enumerate(inputs) if p.requires_grad]
+        device = _common_device(entry.state_names, primals)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.enable_grad(), builder.autocast(signature.autocast), unchanged(self.module):
+            if generator is not None:
+                set_generator_state(device, generator)
+            outputs = forward(*inputs)
+            given = [(o, c) for o, c in zip(outputs, cotangents) if c is not None]
+            grads = torch.autograd.grad(
+                [o for o, _ in given], [inputs[i] for i in wanted], [c for _, c in given],
+                allow_unused=True,
+            )
+        with self._lock:
+            self.stats.eager_steps += 1
+        gradients: list[torch.Tensor | None] = [None] * len(primals)
+        for index, grad in zip(wanted, grads):
+            gradients[index] = grad
+        return gradients
+
     def _eager(self, args: tuple, kwargs: dict) -> Any:
         with eager_mode():
             return self.forward_fn(self.module, *args, **kwargs)
@@ -362,32 +470,108 @@ class Runtime:
             raise explained from eager_error
 
     def _fall_back(self, signature: Signature, call: FlatCall, args: tuple, kwargs: dict,
-                   reason: str, result: Any = None) -> Any:
+                   reason: str, result: Any = None, where: str | None = None) -> Any:
         """Run eagerly (unless `result` is eager's already) and record the fallback."""
         if result is None:
             result = self._eager_or_explain(args, kwargs, call)
-        self._record_fallback(signature, reason)
+        self._give_up(signature, reason, where)
         return result
 
-    def _record_fallback(self, signature: Signature, reason: str) -> None:
+    def _give_up(self, signature: Signature, reason: str, where: str | None = None) -> None:
+        """The signature cannot run through ORT whole: run it in parts if the module has any
+        (`parts.py`), else in eager PyTorch for good. One warning per reason.
+
+        `where`: the submodule whose code failed. Every submodule of its class is then known to
+        fail too (same code): those and the parts holding them go straight to their own parts
+        or to eager PyTorch at their first call, without a capture that would fail again.
+        """
+        cause = reason
         reason = f"{type(self.module).__name__}: {reason}"
+        culprits = self._culprits(where)
+        if culprits:
+            kind = type(self.module.get_submodule(culprits[0])).__name__
+            reason += f" (in {where}, a {kind}: every {kind} runs without graphs of its own)"
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
-        with self._lock:
-            if signature in self._fallbacks:
-                return
-            warned = reason in self._fallbacks.values()
-            self._fallbacks[signature] = reason
-            self.stats.fallbacks += 1
-            for key in [k for k in self._pairs if k[0] == signature]:
-                self._pairs.pop(key, None)
-        if warned:
-            return  # one warning per reason, however many signatures share it
+        parts = self._part_runtimes()
+        if not self._record(signature, reason, bool(parts)):
+            return
+        for name, part in parts:
+            inside = [c[len(name) + 1:] for c in culprits if c.startswith(f"{name}.")]
+            if name in culprits or inside:
+                part.doom(cause, "" if name in culprits else None, inside)
+        if parts:
+            names = [name for name, _ in parts]
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            warnings.warn(
+                f"lazygrad runs this input signature in parts: {reason}. Its submodules "
+                f"({shown}) run through ORT where they can, each captured on its own; the rest "
+                "of its forward runs in eager PyTorch (see lazygrad.stats(model).parts)",
+                GraphBreakWarning,
+                stacklevel=5,
+            )
+            return
         warnings.warn(
             f"lazygrad falls back to eager PyTorch for this input signature: {reason}",
             FallbackWarning,
             stacklevel=5,
         )
+
+    def _culprits(self, where: str | None) -> list[str]:
+        """The submodules (qualified names) of the same class as the failing one, `where`."""
+        if not where:
+            return []
+        kind = type(self.module.get_submodule(where))
+        return [name for name, m in self.module.named_modules() if name and type(m) is kind]
+
+    def _record(self, signature: Signature, reason: str, in_parts: bool) -> bool:
+        """Record a break or fallback (and drop the signature's graphs); False if the signature
+        was recorded already or the reason is known (no new warning is due)."""
+        with self._lock:
+            if signature in self._fallbacks or signature in self._broken:
+                return False
+            known = reason in self.stats.reasons
+            if in_parts:
+                self._broken[signature] = reason
+                self.stats.breaks += 1
+            else:
+                self._fallbacks[signature] = reason
+                self.stats.fallbacks += 1
+            if not known:
+                self.stats.reasons.append(reason)
+            for key in [k for k in self._pairs if k[0] == signature]:
+                self._pairs.pop(key, None)
+        return not known
+
+    def doom(self, reason: str, own: str | None, inside: list[str]) -> None:
+        """This module cannot be captured whole, as a failure in an enclosing module's capture
+        showed: its own code failed (`own` is "") or it holds submodules whose code failed
+        (`inside`, qualified names). Every signature runs in parts or in eager PyTorch, from
+        its first call, silently (the enclosing module warned)."""
+        with self._lock:
+            self._doomed = (reason, own is not None, inside)
+
+    def _run_doomed(self, signature: Signature) -> None:
+        reason, own, inside = self._doomed
+        parts = self._part_runtimes()
+        self._record(signature, f"{type(self.module).__name__}: "
+                     + (reason if own else f"holds a submodule that cannot be captured ({reason})"),
+                     bool(parts))
+        if own:
+            return
+        for name, part in parts:
+            below = [c[len(name) + 1:] for c in inside if c.startswith(f"{name}.")]
+            if name in inside or below:
+                part.doom(reason, "" if name in inside else None, below)
+
+    def _part_runtimes(self) -> list[tuple[str, Runtime]]:
+        """The runtimes of the module's parts, made (and installed) at the first break."""
+        with self._lock:
+            if self._parts is None:
+                self._parts = [
+                    (name, runtime_of(part, self.options)) for name, part in parts_of(self.module)
+                ]
+            return self._parts
 
 
 class _FirstBackward:

@@ -9,12 +9,16 @@ cost to the call's own inputs and outputs.
 
 from __future__ import annotations
 
+import time
+
 import onnx
 import onnxruntime
 import torch
 from onnxruntime.capi import _pybind_state as ort_c
 from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
+
+from lazygrad import clock
 
 # Measured: these fusions drop tensors that are requested graph outputs (the stash needs them):
 # SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
@@ -93,12 +97,14 @@ class GraphSession:
             binding.bind_output(name, self._output_device)
         if self.device.type == "cuda":
             binding.synchronize_inputs()
+        started = time.perf_counter()
         try:
             self._session._sess.run_with_iobinding(binding, None)
         except Exception as error:  # ORT's own exception types, re-raised with the graph named
             raise GraphRunError(str(error)) from error
         if self.device.type == "cuda":
             binding.synchronize_outputs()
+        clock.add_ort(time.perf_counter() - started)
         return binding.get_outputs()
 
     def _ortvalue(self, name: str, tensor: torch.Tensor) -> ort_c.OrtValue:

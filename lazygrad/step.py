@@ -18,8 +18,11 @@ import torch
 
 from lazygrad.graph_pair import GraphPair
 
-# (mask, primals, cotangents) -> the pair of that mask, found or built
-PairFor = Callable[[tuple[bool, ...], list[torch.Tensor], tuple], GraphPair]
+# (mask, primals, cotangents) -> the pair of that mask, found or built; None if it cannot be
+PairFor = Callable[[tuple[bool, ...], list[torch.Tensor], tuple], GraphPair | None]
+# (primals, cotangents, generator state the draws came from) -> the gradients, by eager PyTorch
+EagerBackward = Callable[[list[torch.Tensor], tuple, torch.Tensor | None],
+                         list[torch.Tensor | None]]
 
 
 class Step:
@@ -33,6 +36,7 @@ class Step:
         pair_for: PairFor,
         on_recompute: Callable[[], None],
         on_mask: Callable[[tuple[bool, ...]], None],
+        eager_backward: EagerBackward,
     ) -> None:
         self.pair = pair
         self.policy = policy
@@ -42,6 +46,8 @@ class Step:
         self._pair_for = pair_for
         self._on_recompute = on_recompute
         self._on_mask = on_mask
+        self._eager_backward = eager_backward
+        self._generator_state: torch.Tensor | None = None  # before this step's draws
         self._layout: tuple[int, int, list[int]] = (0, 0, [])  # primals, draws, results kept
         self._output_types: list[tuple[torch.Size, torch.dtype]] = []
 
@@ -49,6 +55,8 @@ class Step:
         self, primals: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         pair = self.pair
+        if pair.graphs.draws:
+            self._generator_state = generator_state(self.device)
         draws = pair.draw(self.env, self.device)
         results = pair.forward(primals, draws, self.device)
         outputs = pair.outputs(results, self.env)
@@ -75,6 +83,8 @@ class Step:
         if self.policy == "all":
             return self._backward_all(primals, draws, saved[count + draw_count :], grads, mask)
         pair = self._pair_for(mask, primals, grads)
+        if pair is None:
+            return self._eager_backward(primals, grads, self._generator_state)
         self._on_mask(mask)
         if self.policy == "recompute":
             return pair.backward(primals, draws, [], grads, self.device)
@@ -95,6 +105,8 @@ class Step:
     ) -> list[torch.Tensor | None]:
         """ORTModule's way: the one all-outputs graph, zeros for outputs without a gradient."""
         pair = self._pair_for(self.pair.mask, primals, grads)
+        if pair is None:
+            return self._eager_backward(primals, grads, self._generator_state)
         results = self._results(kept)
         cotangents = [
             grad if grad is not None or not wanted
@@ -113,3 +125,17 @@ class Step:
         for index, tensor in zip(read, kept):
             results[index] = tensor
         return results
+
+
+def generator_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator that draws on `device` (to replay a step's draws)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

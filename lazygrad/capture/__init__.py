@@ -23,6 +23,7 @@ from lazygrad.capture import partition, symbols, tidy, to_onnx, trace
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
+from lazygrad.capture.trace import functional, unchanged
 
 __all__ = [
     "CaptureError",
@@ -34,7 +35,9 @@ __all__ = [
     "apply_views",
     "capture",
     "export",
+    "functional",
     "symbols",
+    "unchanged",
 ]
 
 
@@ -68,6 +71,7 @@ class Captured:
     guards: list[str]
     differentiable: list[bool]
     seconds: dict[str, float]
+    untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
 
     def fingerprint(self, *parts: object) -> str:
         """Content hash of both graphs, their input types, constants and draws, plus `parts`."""
@@ -111,7 +115,7 @@ def capture(
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
     with trace.unchanged(module):
-        traced = trace.trace(fn, primals, dynamic, training)
+        traced = trace.trace(fn, primals, dynamic, training, module)
     try:
         parts = partition.partition(traced, recompute)
         masked = [i for i, bit in enumerate(mask or ()) if bit]
@@ -129,6 +133,7 @@ def capture(
         guards=traced.guards,
         differentiable=[bool(o.requires_grad) for o in traced.outputs],
         seconds={"trace": time.perf_counter() - started},
+        untranslatable=traced.untranslatable,
     )
 
 
@@ -140,7 +145,8 @@ def export(captured: Captured) -> Graphs:
         forward = to_onnx.to_onnx(tidied.forward)
         backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
     except Exception as error:
-        raise CaptureError(f"ONNX export failed: {type(error).__name__}: {error}") from error
+        where = captured.untranslatable[0][1] if captured.untranslatable else None
+        raise CaptureError(f"ONNX export failed: {type(error).__name__}: {error}", where) from error
     seconds = dict(captured.seconds, export=time.perf_counter() - started)
     return Graphs(
         forward=forward,

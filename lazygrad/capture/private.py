@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._decomp import get_decompositions
@@ -29,6 +29,7 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental import _config as fx_config
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
@@ -72,6 +73,11 @@ def compiling() -> Iterator[None]:
             os.environ[_TENSORIFY] = previous_tensorify
 
 
+def queue_at_backward_end(callback: Callable[[], None]) -> None:
+    """Run `callback` when the backward running now ends (autograd engine's own queue)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 _TENSORIFY = "TENSORIFY_PYTHON_SCALARS"  # read by torch._dynamo.utils._is_tensorify_enabled
 
 
@@ -96,12 +102,14 @@ __all__ = [
     "default_partition",
     "free_unbacked_symbols",
     "fx_config",
+    "fx_traceback",
     "get_decompositions",
     "onnx_constants",
     "onnx_core",
     "onnx_decomp",
     "onnx_fx_passes",
     "onnx_registration",
+    "queue_at_backward_end",
 ]
 
 onnx_constants = _constants

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules import module as torch_module
 
 from lazygrad.capture import lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
@@ -40,6 +41,7 @@ class Traced:
     outputs: list[torch.Tensor]  # the fake outputs (their shapes, dtypes, requires_grad)
     locations: symbols.Locations  # size symbol -> (primal, dim) where a call's value is read
     guards: list[str]  # conditions on the sizes (Python code) under which the graph is valid
+    untranslatable: list[tuple[str, str]]  # (op, submodule) of ATen ops ONNX may not translate
 
 
 @functools.cache
@@ -103,14 +105,16 @@ def trace(
     primals: Sequence[torch.Tensor],
     dynamic: Sequence[bool],
     training: bool,
+    module: torch.nn.Module,
 ) -> Traced:
     """Trace `fn(*primals)` (flat tensors in, flat tensors out) with AOTAutograd.
 
     `training`: trace the joint forward+backward (the primals that require grad are
-    differentiated); otherwise the inference graph alone. One trace at a time in the process:
-    functorch's transform levels and the compiling flag are not per thread.
+    differentiated); otherwise the inference graph alone. `module`: the module `fn` runs, whose
+    submodules name where a failure happened (`CaptureError.where`). One trace at a time in the
+    process: functorch's transform levels and the compiling flag are not per thread.
     """
-    with _lock:
+    with _lock, module_paths(module) as names:
         # Non-fake inputs allowed: a tensor the forward makes from Python values (torch.tensor of a
         # size) is a constant of the trace, and the size it read becomes a guard.
         mode = private.FakeTensorMode(
@@ -144,16 +148,80 @@ def trace(
         except CaptureError:
             raise
         except Exception as error:
-            raise CaptureError(describe(error)) from error
+            raise CaptureError(describe(error), failing_submodule(error, names)) from error
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
-        _refuse_data_dependent_sizes(got.get("joint") or got["inference"])
+        graph = got.get("joint") or got["inference"]
+        _refuse_data_dependent_sizes(graph)
+        untranslatable = _untranslatable(graph)
         guards = size_guards(mode.shape_env, where)
         if training and "joint" in got:
             return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
-                          guards)
+                          guards, untranslatable)
         return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
-                      guards)
+                      guards, untranslatable)
+
+
+_MODULE = "lazygrad_module"
+
+
+@contextlib.contextmanager
+def module_paths(module: torch.nn.Module) -> Iterator[dict[int, str]]:
+    """While tracing, every node records the qualified name of the innermost submodule whose
+    code emitted it (backward nodes: that of their forward node), in `meta["custom"]`; nodes
+    of the module's own code record none. Yields id(submodule) -> name ("" for `module`).
+
+    With it a failure names the submodule to capture around, instead of trying every level
+    of the module tree in turn. Global module hooks, active only during the trace and only for
+    this thread and this module's submodules.
+    """
+    names: dict[int, str] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(submodule), name)
+    thread = threading.get_ident()
+    meta = private.fx_traceback.current_meta
+    outer: list[Any] = []
+
+    def enter(submodule: torch.nn.Module, _args: Any) -> None:
+        name = names.get(id(submodule))
+        if name and threading.get_ident() == thread:
+            outer.append(meta.get("custom"))
+            meta["custom"] = {**(meta.get("custom") or {}), _MODULE: name}
+
+    def leave(submodule: torch.nn.Module, _args: Any, _result: Any) -> None:
+        if names.get(id(submodule)) and threading.get_ident() == thread:
+            previous = outer.pop()
+            if previous is None:
+                meta.pop("custom", None)
+            else:
+                meta["custom"] = previous
+
+    with private.fx_traceback.preserve_node_meta():
+        entering = torch_module.register_module_forward_pre_hook(enter)
+        leaving = torch_module.register_module_forward_hook(leave, always_call=True)
+        try:
+            yield names
+        finally:
+            entering.remove()
+            leaving.remove()
+
+
+def submodule_of(node: fx.Node) -> str:
+    """The submodule whose code emitted `node` (`module_paths`); "" for the module's own."""
+    return (node.meta.get("custom") or {}).get(_MODULE, "")
+
+
+def failing_submodule(error: BaseException, names: dict[int, str]) -> str | None:
+    """The innermost submodule (qualified name) whose forward was running when `error` was
+    raised during the trace; "" for the module's own code, None if none of its frames are."""
+    found = None
+    frame = error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        frame = frame.tb_next
+    return found
 
 
 def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
@@ -167,8 +235,30 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
             raise CaptureError(
                 "the forward depends on tensor values: the size of the result of "
                 f"{node.target} is computed from data (`nonzero()`, boolean-mask indexing, "
-                "`.item()` used as a size), which one graph cannot capture"
+                "`.item()` used as a size), which one graph cannot capture",
+                submodule_of(node),
             )
+
+
+def _untranslatable(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """Ops of `gm` that the exporter's registry has no translation for, with their submodule.
+
+    An op outside ATen (a library's custom op, such as transformers' `grouped_mm_fallback`)
+    never translates: the capture fails here, before partitioning and export. An ATen op may
+    still be handled by the exporter's own passes, so it is only listed: if the export then
+    fails, the list names where."""
+    registry = onnx_registry()
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if registry.is_registered(target):
+            continue
+        if target.namespace not in ("aten", "prims"):
+            raise CaptureError(f"the op {target} has no ONNX translation", submodule_of(node))
+        found.append((str(target), submodule_of(node)))
+    return found
 
 
 def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[str]:

@@ -1,0 +1,52 @@
+"""Where a module's runtime lives, and how its calls reach it.
+
+An instance made lazy (`lazygrad.lazy(model)`), and a submodule that became a lazy part of a
+module captured in parts, hold their runtime in the instance's `__dict__` together with an
+instance `forward` that calls it: `nn.Module.__call__` (and the user's hooks around it) is
+untouched, and the class is not changed. An instance of a class decorated with
+`@lazygrad.lazy` gets its runtime on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+RUNTIME = "_lazygrad_runtime"
+OPTIONS = "_lazygrad_options"
+ORIGINAL_FORWARD = "_lazygrad_original_forward"
+
+
+class LazyForward:
+    """An instance's forward made lazy; a plain object so the module still pickles."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runtime(args, kwargs)
+
+
+def install(module: torch.nn.Module, runtime: Any) -> None:
+    """Route the instance's calls through `runtime`."""
+    module.__dict__[RUNTIME] = runtime
+    module.__dict__["forward"] = LazyForward(runtime)
+
+
+def installed(module: torch.nn.Module) -> Any | None:
+    """The runtime this instance holds, if it holds one."""
+    return module.__dict__.get(RUNTIME)
+
+
+def class_options(module: torch.nn.Module) -> Any | None:
+    """The options of `@lazygrad.lazy` on the module's class (None: the class is not lazy)."""
+    return getattr(type(module), OPTIONS, None)
+
+
+def original_forward(cls: type) -> Any:
+    """The forward a lazy class (or a class with a lazy instance) had before it was made lazy."""
+    for klass in cls.__mro__:
+        if "forward" in klass.__dict__:
+            return klass.__dict__.get(ORIGINAL_FORWARD, klass.__dict__["forward"])
+    raise TypeError(f"lazygrad: {cls.__name__} defines no forward")

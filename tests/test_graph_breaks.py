@@ -1,0 +1,194 @@
+"""Graph breaks at module granularity: a module that cannot be captured whole runs its own
+forward in eager PyTorch and its submodules through ORT, each with its own signatures, grad
+masks and statistics; each step against eager PyTorch (outputs, gradients, `.grad is None`)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import assert_close, assert_grads_equal
+from test_capture import LoopRoutedMoE, _routed_tokens, _step
+
+import lazygrad
+from lazygrad.capture import CaptureError
+
+pytestmark = pytest.mark.falls_back  # every test here breaks a module on purpose
+
+
+def _warnings_of(caught, category) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, category)]
+
+
+def test_routing_over_nonzero_runs_router_and_experts_through_ort_and_never_bakes_routes():
+    torch.manual_seed(0)
+    eager = LoopRoutedMoE()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    routes = [[0, 1, 0, 1, 0, 1], [2, 3, 3, 2, 2, 3], [0, 3, 1, 2, 3, 0], [1, 0, 0, 1, 1, 0]] * 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, route in enumerate(routes):
+            x = _routed_tokens(route, seed=step)
+            with torch.no_grad():
+                assert eager.router(x).argmax(-1).tolist() == route  # the routing differs
+            _step(lazy, eager, (x,), lambda o: o.square().sum(), f"step {step} route {route}")
+    breaks = _warnings_of(caught, lazygrad.GraphBreakWarning)
+    assert len(breaks) == 1 and "depends on tensor values" in breaks[0], breaks
+    assert _warnings_of(caught, lazygrad.FallbackWarning) == breaks  # nothing else fell back
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0 and stats.exports == 0
+    assert set(stats.parts) == {"router", "experts.0", "experts.1", "experts.2", "experts.3"}
+    for name, part in stats.parts.items():
+        assert part.fallbacks == 0 and part.breaks == 0, name
+        assert part.hits > 0, f"{name} never ran through ORT"
+    assert stats.parts["router"].exports == 1  # six tokens every step: one signature
+    assert stats.step_seconds > 0 and 0 < stats.ort_seconds < stats.step_seconds
+    assert "inside ONNX Runtime" in str(stats) and "experts.3" in str(stats)
+
+
+@torch.library.custom_op("lazygrad_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    """An op with a fake and an autograd registration but no ONNX translation."""
+    return x * 2.0
+
+
+@_scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _scaled_backward(ctx, grad):
+    return grad * 2.0
+
+
+_scaled.register_autograd(_scaled_backward)
+
+
+class Untranslatable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _scaled(self.proj(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.odd = Untranslatable()
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.odd(self.norm(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h), h.mean()
+
+
+def test_an_untranslatable_op_breaks_straight_to_every_submodule_of_its_class():
+    """The failure names the submodule whose code emitted the op: every module of that class
+    runs its own code eagerly (its Linear through ORT) and the modules holding one run in parts
+    at once, with no capture of their own that would fail again; everything else runs through
+    ORT."""
+    torch.manual_seed(0)
+    eager = Stack()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(5, 4)
+    losses = [lambda o: o[0].square().sum(), lambda o: o[0].sum() + o[1]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            _step(lazy, eager, (x,), losses[step % 3 == 2], f"step {step}")
+    breaks = _warnings_of(caught, lazygrad.GraphBreakWarning)
+    assert len(_warnings_of(caught, lazygrad.FallbackWarning)) == 1 and len(breaks) == 1
+    assert sum(part.fallbacks for part in lazygrad.stats(lazy).parts.values()) == 0
+    assert "lazygrad_test.scaled" in breaks[0] and "blocks.0.odd" in breaks[0], breaks
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1
+    for name in ("blocks.0", "blocks.1"):
+        assert stats.parts[name].breaks == 1 and stats.parts[name].builds == 0, name
+        assert stats.parts[f"{name}.odd"].breaks == 1, name
+        assert stats.parts[f"{name}.odd"].builds == 0, name  # no capture to fail again
+        assert "lazygrad_test.scaled" in stats.parts[f"{name}.odd"].reasons[0]
+    for name in ("embed", "head", "blocks.0.norm", "blocks.0.out", "blocks.1.out",
+                 "blocks.1.odd.proj"):
+        assert stats.parts[name].hits > 0 and stats.parts[name].fallbacks == 0, name
+    assert stats.parts["head"].misses == 1  # one graph, not one per step
+
+
+def test_strict_mode_raises_instead_of_breaking():
+    lazy = lazygrad.lazy(LoopRoutedMoE(), strict=True)
+    x = _routed_tokens([0, 1, 2, 3], seed=0)
+    with pytest.raises(lazygrad.LazygradError, match="depends on tensor values"):
+        lazy(x).sum().backward()
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 2)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.a(x)))
+        return self.b(h), h.sum(-1)
+
+
+def test_a_mask_whose_build_fails_at_backward_is_served_by_eager_with_the_same_draws(
+        monkeypatch):
+    """A new grad mask met at backward, after the forward ran in ORT, whose build fails: that
+    step's gradients come from eager PyTorch (its forward redone from the saved inputs with
+    the step's Dropout draws replayed), nothing raises in the middle of the step, and the
+    signature runs in parts from then on. Gradients equal eager's under the same seed."""
+    import lazygrad.runtime as runtime
+
+    real_capture = runtime.capture
+
+    def capture_failing_for_the_second_mask(*args, **kwargs):
+        module, mask = args[0], args[6]
+        if isinstance(module, Noisy) and mask is not None and mask[1]:
+            raise CaptureError("refused by the test")
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "capture", capture_failing_for_the_second_mask)
+    torch.manual_seed(0)
+    eager = Noisy()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(4, 6)
+    losses = [lambda o: o[0].sum(), lambda o: o[0].sum(), lambda o: o[0].sum() + o[1].sum(),
+              lambda o: o[0].square().sum(), lambda o: o[1].sum(), lambda o: o[0].sum()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, loss in enumerate(losses):
+            for m in (lazy, eager):
+                m.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            out = lazy(x)
+            torch.manual_seed(100 + step)
+            expected = eager(x)
+            for got, want in zip(out, expected):
+                assert_close(got.detach(), want.detach(), f"step {step} output")
+            loss(out).backward()
+            loss(expected).backward()
+            assert_grads_equal(lazy, eager, f"step {step}")
+    reasons = _warnings_of(caught, lazygrad.FallbackWarning)
+    assert len(reasons) == 1 and "refused by the test" in reasons[0], reasons
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.builds == 1 and stats.eager_steps == 2  # first + redo
+    assert stats.parts["a"].hits > 0 and stats.parts["b"].hits > 0
