@@ -1,6 +1,6 @@
 """lazygrad: PyTorch training through ONNX Runtime with a backward built lazily per grad mask."""
 
-from lazygrad.api import clear_cache, lazy, reset_stats, stats
+from lazygrad.api import clear_cache, lazy, reset_stats, stats, wait_for_builds
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError
 from lazygrad.options import Options
 from lazygrad.session import GraphRunError
@@ -18,4 +18,5 @@ __all__ = [
     "lazy",
     "reset_stats",
     "stats",
+    "wait_for_builds",
 ]

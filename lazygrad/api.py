@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -22,7 +23,8 @@ def lazy(target: type[M], /) -> type[M]: ...
 def lazy(target: M, /) -> M: ...
 @overload
 def lazy(
-    *, policy: str = "predict", cache_size: int = 64, strict: bool = False
+    *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
+    wait_for_builds: bool | None = None,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -33,6 +35,7 @@ def lazy(
     policy: str = "predict",
     cache_size: int = 64,
     strict: bool = False,
+    wait_for_builds: bool | None = None,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -43,9 +46,15 @@ def lazy(
     "all" (what every output's backward reads; zeros for the others, as ORTModule does) or
     "recompute" (inputs and random draws only; the backward recomputes the forward).
     cache_size: how many pairs of graphs (one per signature and mask) the model keeps (LRU).
-    strict: raise `LazygradError` instead of falling back to eager PyTorch.
+    strict: raise `LazygradError` instead of falling back to eager PyTorch (builds are then
+    waited for, so the step that meets a failure raises).
+    wait_for_builds: block the step that needs new graphs until they are built. By default
+    (False, or the environment's LAZYGRAD_WAIT_FOR_BUILDS=1) such steps run in eager PyTorch
+    while the graphs build on a background thread, and the first call after that runs in ORT.
     """
     options = Options(policy=policy, cache_size=cache_size, strict=strict)
+    if wait_for_builds is not None:
+        options = dataclasses.replace(options, wait_for_builds=wait_for_builds)
 
     def apply(target: Any) -> Any:
         if isinstance(target, type) and issubclass(target, torch.nn.Module):
@@ -100,6 +109,12 @@ def stats(model: torch.nn.Module) -> Stats:
 def reset_stats(model: torch.nn.Module) -> None:
     """Zero the counters; cached graphs stay."""
     runtime_of(model).reset_stats()
+
+
+def wait_for_builds(model: torch.nn.Module, timeout: float | None = None) -> None:
+    """Block until the graphs being built for the model (in the background) are ready, or
+    have failed (then recorded as a fallback), or `timeout` seconds have passed."""
+    runtime_of(model).wait_for_builds(timeout)
 
 
 def clear_cache(model: torch.nn.Module) -> None:

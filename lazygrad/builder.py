@@ -4,25 +4,60 @@ A mask first seen at backward is built from inside that backward; tracing there 
 inside a backward, and with another thread's backward running at the same time AOTAutograd's
 process-global node-metadata bookkeeping broke ("Expected current_level > 0"). On a thread of
 its own the trace never nests in an autograd call, and traces never overlap.
+
+The thread is a daemon: a process that ends while a build runs ends at once (a build is
+seconds of work whose result would be thrown away; the on-disk cache writes atomically), where
+a `ThreadPoolExecutor` would make the interpreter wait for it at exit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
 
-_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazygrad")
+_jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+    queue.SimpleQueue()
+)
+_started = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def _work() -> None:
+    while True:
+        build, future = _jobs.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = build()
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def submit(build: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """Queue `build()` for the builder thread; its future."""
+    global _thread
+    with _started:
+        if _thread is None:
+            _thread = threading.Thread(target=_work, name="lazygrad-builder", daemon=True)
+            _thread.start()
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    _jobs.put((build, future))
+    return future
 
 
 def run(build: Callable[[], T]) -> T:
     """`build()` on the builder thread; its result, or its exception."""
-    return _executor.submit(build).result()
+    return submit(build).result()
 
 
 @contextlib.contextmanager

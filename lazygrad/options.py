@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 POLICIES = ("predict", "all", "recompute")
 
@@ -14,6 +15,11 @@ class Options:
     policy: str = "predict"
     cache_size: int = 64
     strict: bool = False
+    # Block a step until its graphs are built, instead of running it in eager PyTorch while they
+    # build in the background. Default: the environment's LAZYGRAD_WAIT_FOR_BUILDS (1: wait).
+    wait_for_builds: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("LAZYGRAD_WAIT_FOR_BUILDS", "0") not in ("", "0")
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -13,6 +13,9 @@ An inference call (no grad) builds its forward graph right after its first, eage
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import copy
 import dataclasses
 import itertools
 import threading
@@ -112,6 +115,8 @@ class Runtime:
         self._broken: dict[Signature, str] = {}  # signatures run in parts, and why
         self._parts: list[tuple[str, Runtime]] | None = None  # made at the first break
         self._doomed: tuple[str, bool, list[str]] | None = None  # see `doom`
+        self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
+        self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
@@ -131,6 +136,8 @@ class Runtime:
             self._fallbacks.clear()
             self._broken.clear()
             self._doomed = None
+            self._building.clear()
+            self._generation += 1
         for _, part in self._parts or []:
             part.clear()
 
@@ -307,13 +314,14 @@ class Runtime:
             return
         wanted = entry.differentiable if self.options.policy == "all" else mask
         try:
-            self._pair_for(signature, entry, wanted, primals,
-                           cotangents if wanted == mask else None, device)
+            pair = self._pair_for(signature, entry, wanted, primals,
+                                  cotangents if wanted == mask else None, device)
         except BuildFailed as failure:
             self._give_up(signature, str(failure), failure.where)
             return
-        with self._lock:
-            entry.plan = wanted
+        if pair is not None:
+            with self._lock:
+                entry.plan = wanted
 
     # ---- graphs ------------------------------------------------------------------------------
 
@@ -325,9 +333,16 @@ class Runtime:
         primals: list[torch.Tensor],
         cotangents: tuple | None,
         device: torch.device,
-    ) -> GraphPair:
-        """The pair for (signature, mask): a hit, or a miss that builds it (under the lock, so
-        two threads meeting a new mask build it once). None mask: the inference graph."""
+    ) -> GraphPair | None:
+        """The pair for (signature, mask): a hit, or a miss that builds it. None mask: the
+        inference graph.
+
+        Waiting for builds (`Options.wait_for_builds`, strict mode), the build runs now, under
+        the lock, so two threads meeting a new mask build it once; a failure raises
+        `BuildFailed`. Otherwise it is queued on the builder thread (once) and None is returned:
+        the caller runs this step in eager PyTorch, and the calls after the build is ready run
+        through ORT (a failure is recorded then, `_built`).
+        """
         key = (signature, mask)
         with self._lock:
             found = self._pairs.get(key)
@@ -336,13 +351,69 @@ class Runtime:
                     self.stats.hits += 1
                 found.stats.hits += 1
                 return found.pair
+            if key in self._building:
+                return None
             if mask is not None:
                 self.stats.misses += 1
-            built = self._build(signature, entry, mask, primals, cotangents, device)
-            if not any(s == signature for s, _ in self._pairs):
+            structure = None
+            if not (self.options.wait_for_builds or self.options.strict):
+                with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
+                    structure = _structure_copy(self.module)
+            if structure is None:
+                built = builder.run(lambda: self._build(
+                    signature, entry, mask, primals, cotangents, device, self.module))
+                self._add(key, built)
+                return built.pair
+            # The build reads this call's tensors after the caller has moved on (an optimizer
+            # updates parameters in place), and traces a copy of the module's structure (the
+            # trace swaps fake tensors into the module it traces, which this thread still runs).
+            snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
+            given = None if cotangents is None else tuple(
+                None if c is None else c.detach().clone() for c in cotangents)
+            generation = self._generation
+            future = builder.submit(lambda: self._build(
+                signature, entry, mask, snapshot, given, device, structure))
+            self._building[key] = future
+        future.add_done_callback(lambda done: self._built(key, entry, generation, done))
+        return None
+
+    def _built(self, key: tuple[Signature, Mask | None], entry: SignatureEntry,
+               generation: int, done: concurrent.futures.Future) -> None:
+        """A background build ended: its pair serves the next calls, or its failure is recorded.
+        A build that `clear` overtook is dropped."""
+        signature, mask = key
+        with self._lock:
+            self._building.pop(key, None)
+            if generation != self._generation:
+                return
+            failure = done.exception()
+            if failure is None:
+                self._add(key, done.result())
+                if mask is not None and entry.plan is None:
+                    entry.plan = mask
+                return
+        if isinstance(failure, BuildFailed):
+            self._give_up(signature, str(failure), failure.where)
+        else:  # a bug of ours, never a wrong step: that signature stays eager, with the reason
+            self._give_up(signature, f"the build failed: {type(failure).__name__}: {failure}")
+
+    def _add(self, key: tuple[Signature, Mask | None], built: PairEntry) -> None:
+        with self._lock:
+            if built.stats.from_disk:
+                self.stats.disk_hits += 1
+            else:
+                self.stats.builds += 1
+            if not any(s == key[0] for s, _ in self._pairs):
                 self.stats.exports += 1
             self._pairs[key] = built
-            return built.pair
+
+    def wait_for_builds(self, timeout: float | None = None) -> None:
+        """Until the builds running or queued for this module (and its parts) have ended."""
+        with self._lock:
+            futures = list(self._building.values())
+        concurrent.futures.wait(futures, timeout=timeout)
+        for _, part in self._parts or []:
+            part.wait_for_builds(timeout)
 
     def _build(
         self,
@@ -352,18 +423,15 @@ class Runtime:
         primals: list[torch.Tensor],
         cotangents: tuple | None,
         device: torch.device,
+        module: torch.nn.Module,
     ) -> PairEntry:
+        """Runs on the builder thread: the pair, checked, with its statistics."""
         started = time.perf_counter()
         try:
-            pair, from_disk = builder.run(
-                lambda: self._build_pair(signature, entry, mask, primals, cotangents, device)
-            )
+            pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
+                                               device, module)
         except (CaptureError, VerificationError, GraphRunError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None)) from error
-        if from_disk:
-            self.stats.disk_hits += 1
-        else:
-            self.stats.builds += 1
         stats = EntryStats(
             mask=mask,
             forward=entry.id,
@@ -381,11 +449,12 @@ class Runtime:
         primals: list[torch.Tensor],
         cotangents: tuple | None,
         device: torch.device,
+        module: torch.nn.Module,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
         with builder.autocast(signature.autocast):
             captured = capture(
-                self.module,
+                module,
                 self.forward_fn,
                 entry.state_names,
                 primals,
@@ -591,6 +660,13 @@ class _FirstBackward:
         mask = tuple(c is not None for c in cotangents)
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
                                     tuple(cotangents), self.device)
+
+
+def _structure_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree (its modules, attributes and hooks) holding the same tensors:
+    what a background trace runs, so the module itself is never touched by it."""
+    shared = itertools.chain(module.parameters(), module.buffers())
+    return copy.deepcopy(module, memo={id(t): t for t in shared})
 
 
 def _common_device(names: list[str], tensors: list[torch.Tensor]) -> torch.device:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Tests compare steps one by one: a step that needs new graphs waits for them (the tiering
+# tests, tests/test_tiering.py, turn this off per model).
+os.environ.setdefault("LAZYGRAD_WAIT_FOR_BUILDS", "1")
+
 import copy
 import itertools
 import warnings

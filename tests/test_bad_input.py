@@ -200,7 +200,9 @@ def test_unsupported_op_falls_back_with_one_warning_and_eager_gradients(op, stag
     fallbacks = [w for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
     assert stage in str(fallbacks[0].message) and "Unsupported" in str(fallbacks[0].message)
-    assert lazygrad.stats(lazy).fallbacks == 1
+    stats = lazygrad.stats(lazy)
+    # Its own code runs in eager PyTorch, its Linear through ORT (a graph break).
+    assert stats.breaks == 1 and stats.fallbacks == 0 and stats.parts["linear"].hits > 0
 
 
 def test_nan_and_inf_in_inputs_propagate_as_in_eager():

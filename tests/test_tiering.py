@@ -1,0 +1,219 @@
+"""Tiered execution: a step that needs graphs not built yet runs in eager PyTorch while they
+build on the builder thread, and the first call after they are ready runs through ORT. Builds
+are held at a gate here, so which steps run while building is decided by the test, not by
+timing; every step is compared with eager PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+from conftest import assert_close, assert_grads_equal, ran_through_ort
+
+import lazygrad
+import lazygrad.runtime as runtime
+from lazygrad.capture import CaptureError
+from lazygrad.examples.models import ThreeHeadMLP
+
+
+class Gate:
+    """Holds every capture until opened (or refuses it, with `refuse`)."""
+
+    def __init__(self, monkeypatch, refuse: bool = False) -> None:
+        self.open_event = threading.Event()
+        self.started = threading.Event()
+        self.refuse = refuse
+        real = runtime.capture
+
+        def gated(*args, **kwargs):
+            self.started.set()
+            assert self.open_event.wait(60), "the test never opened the gate"
+            if self.refuse:
+                raise CaptureError("refused by the test")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(runtime, "capture", gated)
+
+    def open(self) -> None:
+        self.open_event.set()
+
+
+def _step(lazy, eager, x, loss, what, seed=None):
+    for m in (lazy, eager):
+        m.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = lazy(x)
+    if seed is not None:
+        torch.manual_seed(seed)
+    expected = eager(x)
+    for index, (got, want) in enumerate(zip(out, expected)):
+        assert_close(got.detach(), want.detach(), f"{what}: output {index}")
+    loss(out).backward()
+    loss(expected).backward()
+    assert_grads_equal(lazy, eager, what)
+    return out
+
+
+def _pair(model=None):
+    torch.manual_seed(0)
+    eager = model if model is not None else ThreeHeadMLP()
+    return lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=False), eager
+
+
+def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
+    gate = Gate(monkeypatch)
+    lazy, eager = _pair()
+    x = torch.randn(6, 16)
+    loss = lambda o: o[0].sum() + o[1].square().mean()  # noqa: E731
+    for step in range(3):  # the build is held: every step runs in eager PyTorch, none waits
+        out = _step(lazy, eager, x, loss, f"building, step {step}")
+        assert not ran_through_ort(out)
+    assert gate.started.is_set()
+    stats = lazygrad.stats(lazy)
+    assert stats.eager_steps == 3 and stats.builds == 0 and stats.misses == 1  # queued once
+    gate.open()
+    lazygrad.wait_for_builds(lazy)
+    for step in range(2):
+        out = _step(lazy, eager, x, loss, f"built, step {step}")
+        assert ran_through_ort(out)
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 2)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.a(x)))
+        return self.b(h), h.sum(-1)
+
+
+def test_a_new_mask_at_backward_is_served_eagerly_with_the_steps_draws_while_it_builds(
+        monkeypatch):
+    """The forward ran in ORT for the mask last seen; the backward meets another mask: its
+    gradients come from eager PyTorch (the forward redone from the saved inputs, Dropout's draws
+    replayed) while its graphs build; once built, that mask runs through ORT."""
+    lazy, eager = _pair(Noisy())
+    x = torch.randn(4, 6)
+    first, second = (lambda o: o[0].sum()), (lambda o: o[0].sum() + o[1].square().sum())
+    _step(lazy, eager, x, first, "first step", seed=1)
+    lazygrad.wait_for_builds(lazy)
+    gate = Gate(monkeypatch)
+    for step in range(2):
+        out = _step(lazy, eager, x, second, f"new mask while building, step {step}", seed=2 + step)
+        assert ran_through_ort(out)  # the forward: the previous mask's graphs
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 1 and stats.misses == 2 and stats.eager_steps == 3
+    gate.open()
+    lazygrad.wait_for_builds(lazy)
+    _step(lazy, eager, x, second, "new mask built", seed=5)
+    _step(lazy, eager, x, second, "new mask planned", seed=6)
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 2 and stats.eager_steps == 3 and stats.fallbacks == 0
+
+
+class Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x):
+        h = x @ self.weight
+        return h.tanh(), h.sum()
+
+
+@pytest.mark.falls_back
+def test_a_failed_background_build_leaves_the_signature_eager_with_the_reason(monkeypatch):
+    gate = Gate(monkeypatch, refuse=True)
+    lazy, eager = _pair(Pair())  # no submodules: it falls back whole
+    x = torch.randn(4, 5)
+    loss = lambda o: o[0].square().sum()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            _step(lazy, eager, x, loss, f"step {step}")
+        gate.open()
+        lazygrad.wait_for_builds(lazy)
+        for step in range(2):
+            _step(lazy, eager, x, loss, f"after failure, step {step}")
+    reasons = [str(w.message) for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
+    assert len(reasons) == 1 and "refused by the test" in reasons[0], reasons
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 1 and stats.builds == 0 and stats.eager_steps == 2
+
+
+def test_threads_calling_during_a_build_get_eager_results_and_one_build(monkeypatch):
+    gate = Gate(monkeypatch)
+    lazy, eager = _pair()
+    inputs = [torch.randn(5, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    errors: list[BaseException] = []
+
+    def worker(x: torch.Tensor) -> None:
+        try:
+            for _ in range(3):
+                out = lazy(x)
+                with torch.no_grad():
+                    for got, want in zip(out, eager(x)):
+                        assert_close(got, want, "output while building")
+                out[0].sum().backward()
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(x,)) for x in inputs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    gate.open()
+    lazygrad.wait_for_builds(lazy)
+    x = torch.randn(5, 16)
+    out = _step(lazy, eager, x, lambda o: o[0].sum(), "after the build")
+    assert ran_through_ort(out)
+    assert lazygrad.stats(lazy).builds == 1
+
+
+def test_clear_cache_while_a_build_runs_drops_what_it_brings(monkeypatch):
+    gate = Gate(monkeypatch)
+    lazy, eager = _pair()
+    x = torch.randn(6, 16)
+    loss = lambda o: o[1].sum()  # noqa: E731
+    _step(lazy, eager, x, loss, "first step")
+    assert gate.started.wait(60)
+    lazygrad.clear_cache(lazy)
+    gate.open()
+    lazygrad.wait_for_builds(lazy)
+    assert lazygrad.stats(lazy).entries == []  # the build ended after the clear: dropped
+    out = _step(lazy, eager, x, loss, "after clear: a first step again")
+    assert not ran_through_ort(out)
+    lazygrad.wait_for_builds(lazy)
+    out = _step(lazy, eager, x, loss, "rebuilt")
+    assert ran_through_ort(out)
+
+
+def test_the_process_exits_at_once_while_a_build_runs(tmp_path):
+    script = textwrap.dedent("""
+        import time, torch, lazygrad
+        import lazygrad.runtime as runtime
+        runtime.capture = lambda *a, **k: time.sleep(120)  # a build that never ends in time
+        model = lazygrad.lazy(torch.nn.Linear(4, 4), wait_for_builds=False)
+        model(torch.randn(2, 4)).sum().backward()  # queues the build; returns at once
+        print("stepped", flush=True)
+    """)
+    env = dict(os.environ, LAZYGRAD_CACHE_DIR=str(tmp_path), LAZYGRAD_WAIT_FOR_BUILDS="0")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=90, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "stepped" in done.stdout and "Traceback" not in done.stderr
