@@ -19,6 +19,7 @@ class Row:
     ratio: float  # median over rounds of step time / eager's step time in the same round
     steps_per_s: float | None = None  # over every step of the phase, rebuilds included
     first_step_s: float | None = None  # fresh process: export, build, session creation, compile
+    ready_s: float | None = None  # fresh process, lazygrad: first step's start to graphs ready
     peak_mib: float | None = None  # fresh process: peak RSS over steady steps above resting
     exports: int | None = None
     builds: int | None = None
@@ -41,8 +42,8 @@ class BuildRow:
 
 
 HEADER = (
-    "workload", "peer", "median step ms", "x eager", "steps/s", "first step s", "peak MiB",
-    "exports", "builds", "hit rate",
+    "workload", "peer", "median step ms", "x eager", "steps/s", "first step s",
+    "graphs ready s", "peak MiB", "exports", "builds", "hit rate",
 )
 PHASES = ("trace", "export", "check")
 BUILD_HEADER = (
@@ -86,6 +87,7 @@ def cells(row: Row) -> list[str]:
         _cell(row.ratio, ".2f"),
         _cell(row.steps_per_s, ".1f"),
         _cell(row.first_step_s, ".2f"),
+        _cell(row.ready_s, ".1f"),
         _cell(row.peak_mib, ".0f"),
         _cell(row.exports, "d"),
         _cell(row.builds, "d"),

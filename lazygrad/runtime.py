@@ -182,8 +182,9 @@ class Runtime:
             _calling.active = False
         self._count_time(time.perf_counter() - started, clock.ort_seconds() - ort)
         if torch.is_grad_enabled():
-            clock.time_backward([t for t in tensors_of(result) if t.requires_grad],
-                                self._count_time)
+            with contextlib.suppress(ValueError):  # a result lazygrad cannot walk: untimed
+                clock.time_backward([t for t in tensors_of(result) if t.requires_grad],
+                                    self._count_time)
         return result
 
     def _count_time(self, wall: float, ort: float) -> None:

@@ -17,7 +17,7 @@ def test_report_table_shows_ratios_and_dashes_for_figures_not_measured() -> None
     lines = text.splitlines()
     assert lines[2].startswith("| workload")
     assert "| 0.83 " in lines[5] and "| 80.0% " in lines[5] and "| 250.0 " in lines[5]
-    assert lines[4].count("—") == 4  # eager: no steps/s, exports, builds, hit rate
+    assert lines[4].count("—") == 5  # eager: no steps/s, graphs ready, exports, builds, hit rate
     assert "- how it was measured" in lines
 
 

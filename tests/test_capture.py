@@ -257,7 +257,8 @@ def test_failed_capture_falls_back_once_and_leaves_the_module_unchanged():
             _assert_params_equal(lazy, eager, f"after step {step}")
     fallbacks = [w for w in record if issubclass(w.category, lazygrad.FallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]
-    assert lazygrad.stats(lazy).fallbacks == 1
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0  # its own code eagerly, its parts in ORT
     _assert_sharing_holds(lazy)
     assert list(lazy.state_dict().keys()) == before["state_dict_keys"]
     for name, (obj, _) in before["parameters"].items():

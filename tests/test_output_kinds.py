@@ -75,7 +75,8 @@ def test_fallback_trains_in_eager_and_is_counted_once():
     plain(x).sum().backward()
     plain(x).sum().backward()
     assert_close(model.linear.weight.grad, plain.linear.weight.grad, "eager fallback grad")
-    assert lazygrad.stats(model).fallbacks == 1
+    stats = lazygrad.stats(model)  # its own code in eager PyTorch, its Linear on its own
+    assert stats.breaks == 1 and stats.fallbacks == 0
 
 
 @pytest.mark.falls_back
@@ -99,5 +100,5 @@ def test_autocast_is_part_of_the_signature_and_an_unloadable_graph_falls_back():
         out_fp32.sum().backward()
     assert type(out_fp32.grad_fn).__name__ == "LazyFunctionBackward"
     assert_close(out_fp32.detach(), plain(x).detach(), "float32 output outside autocast")
-    stats = lazygrad.stats(model)
-    assert (stats.exports, stats.fallbacks) == (1, 1)
+    stats = lazygrad.stats(model)  # bfloat16: in parts (its Linears' first calls are eager)
+    assert (stats.exports, stats.breaks, stats.fallbacks) == (1, 1, 0)

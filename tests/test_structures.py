@@ -189,4 +189,5 @@ def test_an_output_that_holds_a_module_falls_back_to_eager_with_one_warning():
     model(x)[0].sum().backward()
     for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
         assert_close(p.grad, q.grad, name)
-    assert lazygrad.stats(lazy).fallbacks == 1
+    stats = lazygrad.stats(lazy)  # its own code in eager PyTorch, its Linear on its own
+    assert stats.breaks == 1 and stats.fallbacks == 0 and stats.parts["linear"].exports == 1
