@@ -37,3 +37,63 @@ def test_build_table_shows_stages_per_mask_beside_the_previous_design() -> None:
     reused = next(line for line in lines if "none new" in line)
     assert "| 1.07 " in reused  # previous design's x eager for 'lazygrad all', loss + scores
     assert any("not re-measured" in line for line in lines)
+
+
+def test_memory_bisection_finds_the_largest_fitting_batch_within_its_probes() -> None:
+    from benchmarks import memory
+
+    seen = []
+
+    def fits(batch: int) -> bool:
+        seen.append(batch)
+        return batch <= 19
+
+    search = memory.bisect(fits, 0, 64, probes=6)
+    assert (search.fits, search.fails, search.text) == (19, 20, "19")
+    assert [b for b, _ in search.probes] == seen == [32, 16, 24, 20, 18, 19]
+    coarse = memory.bisect(lambda batch: batch <= 19, 0, 64, probes=2)
+    assert (coarse.text, coarse.top) == ("16-31", 31)  # a bracket when the probes run out
+    assert memory.bisect(lambda batch: True, 0, 8, probes=6).text == ">= 7"  # never failed
+    assert memory.bisect(lambda batch: False, 0, 8, probes=6).text == "0"
+    started = memory.bisect(lambda batch: batch <= 17, 16, 64, probes=6)  # 16 known to fit
+    assert started.text == "17" and started.low == 16
+
+
+def test_memory_targets_compare_the_default_policy_with_eager_and_all() -> None:
+    from benchmarks import memory
+
+    peaks = {
+        ("A", "eager", "keep"): 1000.0, ("A", "all", "keep"): 1500.0,
+        ("A", "predict", "keep"): 800.0,
+        ("A", "eager", "del"): 1000.0, ("A", "all", "del"): 700.0,
+        ("A", "predict", "del"): 800.0,
+    }
+    searches = {
+        ("A", "eager"): memory.Search(16, 17, (), 0, 64),
+        ("A", "predict"): memory.Search(16, 32, (), 0, 64),  # 16-31: 1.00-1.94x eager's
+        ("B", "eager"): memory.Search(16, 17, (), 0, 64),
+        ("B", "predict"): memory.Search(12, 13, (), 0, 64),
+    }
+    found = {t.what: t for t in memory.targets(peaks, searches)}
+    assert found["A, keep loop: default policy <= 0.85x eager"].verdict == "met"
+    assert found['A, keep loop: default policy <= 1.00x lazygrad "all"'].verdict == "met"
+    missed = found['A, del loop: default policy <= 1.00x lazygrad "all"']
+    assert missed.verdict == "missed" and missed.measured.startswith("1.14x")
+    assert found["B, keep loop: default policy <= 0.85x eager"].verdict == "not measured"
+    assert found["A: largest batch of the default policy >= 1.15x eager's"].verdict == "undecided"
+    batch_b = found["B: largest batch of the default policy >= 1.00x eager's"]
+    assert batch_b.verdict == "missed" and batch_b.measured.startswith("0.75x")
+    assert "| **missed** |" in memory.target_table(list(found.values()))
+
+
+def test_memory_peak_table_shows_both_loops_and_ratios() -> None:
+    from benchmarks import memory
+
+    peaks = {("eager", "keep"): 1000.0, ("eager", "del"): 900.0,
+             ("all", "keep"): 2000.0, ("all", "del"): 1800.0,
+             ("predict", "keep"): 1500.0}
+    added = {key: 100.0 for key in peaks}
+    lines = memory.peak_table(peaks, added).splitlines()
+    predict = next(line for line in lines if '"predict"' in line)
+    assert "| 1500 / — | 1.50 / — | 0.75 / — | 100 / — |" in predict
+    assert lines[1] == "| --- | ---: | ---: | ---: | ---: |"
