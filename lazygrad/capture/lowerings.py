@@ -4,7 +4,8 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel). Such an op is lowered here, at trace time, into ops that
 export: convolution_backward (plain and transposed) into convolutions, avg_pool2d_backward into
-a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products. Like
+a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products; and one op
+whose translation ONNX Runtime runs wrong (an accumulating index_put, `accumulate_rows`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every graph
 built with them is checked against torch's own op (verify.py) before it serves a step.
 """
@@ -147,7 +148,36 @@ def _averaging(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, weight[:, None], torch.zeros((), dtype=like.dtype))
 
 
+def accumulate_rows(
+    self: torch.Tensor,
+    indices: list[torch.Tensor | None],
+    values: torch.Tensor,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """`index_put(..., accumulate=True)` over the leading dimension (the backward of an
+    embedding, of `weight[ids]`) as `scatter_add`, which exports as ScatterElements.
+
+    torchlib exports it as ScatterND with reduction "add", which ONNX Runtime's CPU kernel runs
+    on several threads without guarding duplicate indices (onnxruntime#23396): gradients came out
+    wrong by up to a quarter, differently from run to run, and sometimes passed the check.
+    ScatterElements' "add" runs sequentially. Other index_put forms are left as they are."""
+    if not accumulate or len(indices) != 1 or indices[0] is None or not _integral(indices[0]):
+        return NotImplemented
+    index = indices[0]
+    tail = self.shape[1:]
+    rows = index.reshape(-1)
+    rows = torch.where(rows < 0, rows + self.shape[0], rows)
+    source = values.expand(*index.shape, *tail).reshape(rows.shape[0], *tail)
+    return self.scatter_add(0, rows.reshape(-1, *([1] * len(tail))).expand(source.shape), source)
+
+
+def _integral(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and tensor.dtype != torch.bool
+
+
 TABLE = {
+    aten.index_put.default: accumulate_rows,
+    aten._unsafe_index_put.default: accumulate_rows,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
