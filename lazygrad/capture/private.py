@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -52,21 +53,38 @@ for _name in (
 ):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+_tracing = threading.local()
+
+
+def _is_compiling_on_this_thread() -> bool:
+    return getattr(_tracing, "active", False) or _is_compiling()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
-    """Inside: `torch.compiler.is_compiling()` is True, so models skip eager-only checks on
-    values (transformers' attention-mask fast paths) as for torch.compile; and AOTAutograd's
-    pass that turns Python-float size arithmetic into tensors is off (it is for dynamo's float
-    inputs, and failed with a KeyError on BatchNorm's `n / (n - 1)` of symbolic sizes: the
-    arithmetic stays size arithmetic, which the exporter translates)."""
-    previous = torch.compiler._is_compiling_flag
+    """Inside, on this thread only: `torch.compiler.is_compiling()` is True, so models skip
+    eager-only checks on values (transformers' attention-mask fast paths) as for torch.compile;
+    and AOTAutograd's pass that turns Python-float size arithmetic into tensors is off (it is
+    for dynamo's float inputs, and failed with a KeyError on BatchNorm's `n / (n - 1)` of
+    symbolic sizes: the arithmetic stays size arithmetic, which the exporter translates).
+
+    Only on this thread: builds run while the training thread runs eager steps, and torch's own
+    flag is process-wide. Under it transformers keeps its output collector in a global instead
+    of a ContextVar, and the eager steps lost their router logits. So the flag stays off and
+    `torch.compiler.is_compiling` answers per thread while a trace runs (callers look it up as
+    an attribute; one trace at a time holds this)."""
     previous_tensorify = os.environ.get(_TENSORIFY)
-    torch.compiler._is_compiling_flag = True
+    _tracing.active = True
+    torch.compiler.is_compiling = _is_compiling_on_this_thread
     os.environ[_TENSORIFY] = "0"
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = previous
+        _tracing.active = False
+        torch.compiler.is_compiling = _is_compiling
         if previous_tensorify is None:
             os.environ.pop(_TENSORIFY, None)
         else:
