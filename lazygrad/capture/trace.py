@@ -138,8 +138,11 @@ def trace(
             # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
             # around the call, or factories in the model (torch.arange) would make real tensors.
             # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
+            # The Python dispatcher: AOTAutograd runs the traced forward once more on the fakes
+            # for its outputs, and without it some meta kernels (index's broadcast, as in
+            # bilinear upsampling) reach C++ ops that refuse symbolic sizes.
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
-                    sdpa_kernel(SDPBackend.MATH):
+                    private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH):
                 outputs = compiled(*fakes)
         except CaptureError:
             raise
