@@ -10,13 +10,18 @@ tests/test_capture.py.
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close, assert_grads_equal, ran_through_ort
 
 import lazygrad
+from lazygrad.capture.trace import onnx_registry
+from lazygrad.session import GraphSession
 
 
 def _cat(*parts: torch.Tensor) -> torch.Tensor:
@@ -120,3 +125,96 @@ def test_op_runs_through_ort_with_eagers_outputs_and_gradients(name):
     assert ran_through_ort([out])
     assert lazygrad.stats(lazy).fallbacks == 0
 
+
+# ---------------------------------------------------------------------------------------------
+# Failures surface at build time
+
+
+@torch.library.custom_op("lazygrad_test::scaled_erf", mutates_args=())
+def scaled_erf(x: torch.Tensor) -> torch.Tensor:
+    """An op of the user's own: the exporter knows no translation for it."""
+    return 2 * torch.erf(x)
+
+
+@scaled_erf.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_erf_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return grad * (4 / math.sqrt(math.pi)) * torch.exp(-x * x)
+
+
+scaled_erf.register_autograd(
+    _scaled_erf_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs)
+)
+
+
+def _erf_in_double(x):
+    """A valid ONNX translation that stock ORT cannot run: its CPU provider has no Erf kernel
+    for double, so creating the session fails."""
+    from onnxscript import opset18 as op
+
+    return op.CastLike(op.Erf(op.Cast(x, to=onnx.TensorProto.DOUBLE)), x) * op.CastLike(2.0, x)
+
+
+class ErfHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(scaled_erf(self.linear(x)))
+
+
+@pytest.fixture
+def erf_translated_for_ort_it_cannot_run(monkeypatch):
+    """The exporter's registry, for this test only, translates scaled_erf into Erf of doubles."""
+    registry = onnx_registry()
+    monkeypatch.setattr(registry, "functions", dict(registry.functions))
+    registry.register_op(torch.ops.lazygrad_test.scaled_erf.default, _erf_in_double)
+
+
+@pytest.mark.falls_back
+@pytest.mark.parametrize("failure", ["export", "session"])
+def test_untranslatable_op_or_unloadable_graph_falls_back_at_the_first_backward(failure, request,
+                                                                                monkeypatch):
+    """The build at the first backward exports both graphs and creates (and runs) both ORT
+    sessions, so either failure is a fallback there: one warning naming the reason, raised
+    before any later step starts, and no later step runs anything in ORT or raises."""
+    if failure == "session":
+        request.getfixturevalue("erf_translated_for_ort_it_cannot_run")
+    ort_runs = []
+    run = GraphSession.run
+    monkeypatch.setattr(GraphSession, "run",
+                        lambda self, feeds: ort_runs.append(1) or run(self, feeds))
+    torch.manual_seed(0)
+    eager = ErfHead()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        x = torch.randn(4, 5)
+        ort_runs.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", lazygrad.FallbackWarning)
+            out, expected = lazy(x), eager(x)
+            out.square().sum().backward()
+            expected.square().sum().backward()
+        reasons = [str(w.message) for w in caught
+                   if issubclass(w.category, lazygrad.FallbackWarning)]
+        if step == 0:  # the build ran at this backward, and failed there
+            assert len(reasons) == 1, reasons
+            wanted = ("ONNX export failed", "lazygrad_test.scaled_erf") if failure == "export" \
+                else ("ORT cannot load", "Erf")
+            assert all(part in reasons[0] for part in wanted), reasons[0]
+        else:
+            assert reasons == [], f"step {step}"
+            assert not ran_through_ort([out]), f"step {step}"
+            assert ort_runs == [], f"step {step}: ORT ran"
+        assert_close(out.detach(), expected.detach(), f"step {step} output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.builds, stats.hits) == (1, 0, 0)
