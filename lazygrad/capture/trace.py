@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lazygrad.capture import lowerings, private, symbols
+from lazygrad.capture import draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -59,7 +59,9 @@ def decompositions() -> dict:
         aten.nll_loss_forward,
         aten._native_batch_norm_legit_functional,
     ]))
-    table.pop(aten.native_dropout.default, None)  # lifted whole: its draw is eager's (draws.py)
+    # Lifted whole, so that their draws are eager's (draws.py).
+    for op in [aten.native_dropout.default, *draws.NOT_DECOMPOSED]:
+        table.pop(op, None)
     table.update(lowerings.TABLE)
     return table
 
