@@ -25,7 +25,7 @@ import torch
 from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
-MAGIC = b"LAZYGRAD-GRAPHS-4\n"
+MAGIC = b"LAZYGRAD-GRAPHS-5\n"
 _DEFAULT = Path(__file__).resolve().parent.parent / "cache"
 
 
@@ -131,7 +131,7 @@ def _decode(data: bytes) -> Graphs | None:
         grads_for=header["grads_for"],
         grad_reach=header["grad_reach"],
         draws=[
-            Draw(d["kind"], tuple(d["shape"]), d["dtype"], d["probability"])
+            Draw(d["kind"], tuple(d["shape"]), d["dtype"], tuple(d["params"]))
             for d in header["draws"]
         ],
         locations={k: tuple(v) for k, v in header["locations"].items()},

@@ -1,37 +1,81 @@
 """Ops that real models use, each through ORT with eager's outputs and gradients.
 
 Their backward ops either translate to ONNX, or are lowered at trace time into ops that do
-(`capture/lowerings.py`: convolution_backward, plain and transposed; avg_pool2d_backward).
+(`capture/lowerings.py`: convolution_backward, plain and transposed; average pooling with
+ceil_mode and divisor_override; adaptive pooling; diagonal_scatter). Each op's options that take
+another path are results of the same model (one build per op). Embedding with padding_idx:
+tests/test_capture.py.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close, assert_grads_equal, ran_through_ort
 
 import lazygrad
+from lazygrad.capture.trace import onnx_registry
+from lazygrad.session import GraphSession
+
+
+def _cat(*parts: torch.Tensor) -> torch.Tensor:
+    """Several results of one op (different options) as one output (batch, features)."""
+    return torch.cat([part.flatten(1) for part in parts], 1)
+
+
+def _ties(h: torch.Tensor) -> torch.Tensor:
+    """Every value twice, side by side: windows and reductions meet exact ties (eager splits
+    amax's gradient between them and gives max's to the index it returns)."""
+    return h.repeat_interleave(2, -1)
+
+
+def _max_pool(h):
+    values, indices = F.max_pool2d(_ties(h), 3, stride=2, padding=1, ceil_mode=True,
+                                   return_indices=True)
+    return _cat(F.max_pool2d(h, 2), values + 0 * indices)
+
+
+def _avg_pool(h):
+    return _cat(F.avg_pool2d(h, 3, stride=2, padding=1, count_include_pad=False),
+                F.avg_pool2d(h, 3, stride=2, padding=1, ceil_mode=True),
+                F.avg_pool2d(h[0], 3, stride=2, ceil_mode=True, divisor_override=4)[None].expand(
+                    len(h), -1, -1, -1))
+
+
+def _max_min_reductions(h):
+    tied = _ties(h)
+    return _cat(tied.amax(dim=(2, 3)), tied.amin(-1, keepdim=True), tied.max(1).values,
+                tied.min(dim=-1, keepdim=True).values)
+
 
 OPS = {
-    "max_pool": lambda h: F.max_pool2d(h, 2),
-    "avg_pool": lambda h: F.avg_pool2d(h, 3, stride=2, padding=1, count_include_pad=False)
-    .flatten(1) + F.avg_pool2d(h, 4).flatten(1).sum(-1, keepdim=True),
+    "max_pool": _max_pool,
+    "avg_pool": _avg_pool,
     "adaptive_avg_pool": lambda h: F.adaptive_avg_pool2d(h, (2, 3)),
-    "upsample_nearest": lambda h: F.interpolate(h, scale_factor=2, mode="nearest"),
-    "upsample_bilinear": lambda h: F.interpolate(h, scale_factor=2, mode="bilinear"),
-    "einsum": lambda h: torch.einsum("bchw,bdhw->bcd", h, h),
-    "max_min_reductions": lambda h: h.amax(dim=(2, 3)) + h.amin(-1).mean(-1) + h.max(1).values[
-        :, :, 0
-    ].sum(-1, keepdim=True),
-    "group_norm": lambda h: F.group_norm(h, 2),
+    "adaptive_max_pool": lambda h: F.adaptive_max_pool2d(_ties(h), (3, 5)),
+    "upsample_nearest": lambda h: _cat(F.interpolate(h, scale_factor=2, mode="nearest"),
+                                       F.interpolate(h, size=(11, 5), mode="nearest")),
+    "upsample_bilinear": lambda h: _cat(
+        F.interpolate(h, size=(11, 5), mode="bilinear", align_corners=True),
+        F.interpolate(h, scale_factor=0.5, mode="bilinear"),
+    ),
+    "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
+    "max_min_reductions": _max_min_reductions,
+    "group_norm": torch.nn.GroupNorm(2, 4),
     "cross_entropy_label_smoothing": lambda h: F.cross_entropy(
         h.mean((2, 3)), torch.tensor([0, 3, 1]), label_smoothing=0.1
     ),
     "cross_entropy_ignore_index": lambda h: F.cross_entropy(
         h.flatten(2), torch.tensor([[0, -100] * 32, [1, 2] * 32, [-100, 3] * 32])
+    ) + F.cross_entropy(
+        h.flatten(2), torch.tensor([[0, 2] * 32, [1, 2] * 32, [2, 3] * 32]), ignore_index=2,
+        label_smoothing=0.2, weight=torch.tensor([1.0, 2.0, 3.0, 4.0]),
     ),
 }
 
@@ -57,7 +101,10 @@ class TransposedConv(torch.nn.Module):
 
 
 def _model(name: str) -> torch.nn.Module:
-    return TransposedConv() if name == "transposed_convolution" else ConvThen(OPS[name])
+    if name == "transposed_convolution":
+        return TransposedConv()
+    op = OPS[name]  # a function, or a module (with parameters) built afresh for each test
+    return ConvThen(copy.deepcopy(op) if isinstance(op, torch.nn.Module) else op)
 
 
 @pytest.mark.parametrize("name", [*OPS, "transposed_convolution"])
@@ -77,3 +124,97 @@ def test_op_runs_through_ort_with_eagers_outputs_and_gradients(name):
         assert_grads_equal(lazy, eager, f"{name} step {step}")
     assert ran_through_ort([out])
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures surface at build time
+
+
+@torch.library.custom_op("lazygrad_test::scaled_erf", mutates_args=())
+def scaled_erf(x: torch.Tensor) -> torch.Tensor:
+    """An op of the user's own: the exporter knows no translation for it."""
+    return 2 * torch.erf(x)
+
+
+@scaled_erf.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_erf_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return grad * (4 / math.sqrt(math.pi)) * torch.exp(-x * x)
+
+
+scaled_erf.register_autograd(
+    _scaled_erf_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs)
+)
+
+
+def _erf_in_double(x):
+    """A valid ONNX translation that stock ORT cannot run: its CPU provider has no Erf kernel
+    for double, so creating the session fails."""
+    from onnxscript import opset18 as op
+
+    return op.CastLike(op.Erf(op.Cast(x, to=onnx.TensorProto.DOUBLE)), x) * op.CastLike(2.0, x)
+
+
+class ErfHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(scaled_erf(self.linear(x)))
+
+
+@pytest.fixture
+def erf_translated_for_ort_it_cannot_run(monkeypatch):
+    """The exporter's registry, for this test only, translates scaled_erf into Erf of doubles."""
+    registry = onnx_registry()
+    monkeypatch.setattr(registry, "functions", dict(registry.functions))
+    registry.register_op(torch.ops.lazygrad_test.scaled_erf.default, _erf_in_double)
+
+
+@pytest.mark.falls_back
+@pytest.mark.parametrize("failure", ["export", "session"])
+def test_untranslatable_op_or_unloadable_graph_falls_back_at_the_first_backward(failure, request,
+                                                                                monkeypatch):
+    """The build at the first backward exports both graphs and creates (and runs) both ORT
+    sessions, so either failure is a fallback there: one warning naming the reason, raised
+    before any later step starts, and no later step runs anything in ORT or raises."""
+    if failure == "session":
+        request.getfixturevalue("erf_translated_for_ort_it_cannot_run")
+    ort_runs = []
+    run = GraphSession.run
+    monkeypatch.setattr(GraphSession, "run",
+                        lambda self, feeds: ort_runs.append(1) or run(self, feeds))
+    torch.manual_seed(0)
+    eager = ErfHead()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        x = torch.randn(4, 5)
+        ort_runs.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", lazygrad.FallbackWarning)
+            out, expected = lazy(x), eager(x)
+            out.square().sum().backward()
+            expected.square().sum().backward()
+        reasons = [str(w.message) for w in caught
+                   if issubclass(w.category, lazygrad.FallbackWarning)]
+        if step == 0:  # the build ran at this backward, and failed there
+            assert len(reasons) == 1, reasons
+            wanted = ("ONNX export failed", "lazygrad_test.scaled_erf") if failure == "export" \
+                else ("ORT cannot load", "Erf")
+            assert all(part in reasons[0] for part in wanted), reasons[0]
+        else:
+            assert reasons == [], f"step {step}"
+            assert not ran_through_ort([out]), f"step {step}"
+            assert ort_runs == [], f"step {step}: ORT ran"
+        assert_close(out.detach(), expected.detach(), f"step {step} output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.builds, stats.hits) == (1, 0, 0)

@@ -6,8 +6,21 @@ make the gradients wrong. So every random op of the trace is replaced by a place
 runtime draws its value with PyTorch before each forward, keeps it for the backward, and feeds
 the same value to every graph of that step.
 
-Dropout is drawn as eager PyTorch's CPU kernel draws it (`empty_like(x).bernoulli_(1 - p)`, then
-`x * (noise / (1 - p))`), so under the same seed a lazy model drops the same units as eager.
+Each draw replays the call eager PyTorch's CPU kernel makes, so under the same seed a lazy model
+draws what eager draws (and leaves the generator where eager leaves it), in the graph's order,
+which is the program's:
+
+- `rand`, `randn` (and `_like`), `uniform_`, `normal_`, `exponential_`, `randint`, `randperm`:
+  the same call, of the op's shape, dtype and parameters;
+- `bernoulli_(p)` of a float p (Dropout: `empty_like(x).bernoulli_(1 - p)`, then
+  `x * (noise / (1 - p))`; `dropout2d`, `alpha_dropout`): the same call;
+- `bernoulli(p)` of a probability tensor: `rand < p`, which is what eager's kernel computes;
+- `multinomial(probs, n)`: eager's kernel, without replacement (or n == 1), takes the top n of
+  `probs / q` with exponential noise `q`; with replacement, it looks float64 uniforms up in the
+  normalised cumulative sum: both are written here with the noise drawn outside.
+
+A random op with an explicit `generator=` cannot be replayed from the default generator and
+raises CaptureError, as does any other random op (the signature falls back, with the reason).
 """
 
 from __future__ import annotations
@@ -23,28 +36,74 @@ from lazygrad.capture.errors import CaptureError
 
 aten = torch.ops.aten
 
-_UNIFORM = {aten.rand.default, aten.rand_like.default}
-_NORMAL = {aten.randn.default, aten.randn_like.default}
-_BERNOULLI = {aten.bernoulli.default, aten.bernoulli.p}
-
 
 @dataclasses.dataclass(frozen=True)
 class Draw:
-    """One random input of a (symbolic) shape and dtype: `torch.rand`, `torch.randn`, or a
-    Bernoulli noise of probability `probability` (Dropout's keep mask)."""
+    """One random input of a (symbolic) shape and dtype, made by one eager call:
+    `kind` names it (a key of `_SAMPLERS`), `params` are its scalar arguments."""
 
-    kind: str  # "rand", "randn" or "bernoulli"
+    kind: str
     shape: tuple[str, ...]  # size expressions (Python source over the size symbols)
     dtype: str  # name of the torch dtype, e.g. "float32"
-    probability: float = 0.0  # of a one, for "bernoulli"
+    params: tuple[float, ...] = ()
 
     def sample(self, env: dict[str, int], device: torch.device) -> torch.Tensor:
         shape = [int(symbols.evaluate(size, env)) for size in self.shape]
-        dtype = getattr(torch, self.dtype)
-        if self.kind == "bernoulli":
-            return torch.empty(shape, dtype=dtype, device=device).bernoulli_(self.probability)
-        make = torch.rand if self.kind == "rand" else torch.randn
-        return make(shape, dtype=dtype, device=device)
+        return _SAMPLERS[self.kind](shape, getattr(torch, self.dtype), device, *self.params)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_SAMPLERS = {
+    "rand": lambda shape, dtype, device: torch.rand(shape, dtype=dtype, device=device),
+    "randn": lambda shape, dtype, device: torch.randn(shape, dtype=dtype, device=device),
+    "uniform": lambda shape, dtype, device, low, high: _empty(shape, dtype, device).uniform_(
+        low, high),
+    "normal": lambda shape, dtype, device, mean, std: _empty(shape, dtype, device).normal_(
+        mean, std),
+    "exponential": lambda shape, dtype, device, rate: _empty(shape, dtype, device).exponential_(
+        rate),
+    "bernoulli": lambda shape, dtype, device, p: _empty(shape, dtype, device).bernoulli_(p),
+    "randint": lambda shape, dtype, device, low, high: torch.randint(
+        int(low), int(high), shape, dtype=dtype, device=device),
+    "randperm": lambda shape, dtype, device: torch.randperm(shape[0], dtype=dtype, device=device),
+}
+
+# op -> (draw kind, its parameters from the op's arguments): the node becomes the draw itself
+_DIRECT = {
+    aten.rand.default: ("rand", lambda args, kwargs: ()),
+    aten.rand_like.default: ("rand", lambda args, kwargs: ()),
+    aten.randn.default: ("randn", lambda args, kwargs: ()),
+    aten.randn_like.default: ("randn", lambda args, kwargs: ()),
+    aten.uniform.default: ("uniform", lambda args, kwargs: (
+        _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0))),
+    aten.normal_functional.default: ("normal", lambda args, kwargs: (
+        _arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0))),
+    aten.normal.float_float: ("normal", lambda args, kwargs: (
+        _arg(args, kwargs, 0, "mean", 0.0), _arg(args, kwargs, 1, "std", 1.0))),
+    aten.exponential.default: ("exponential", lambda args, kwargs: (
+        _arg(args, kwargs, 1, "lambd", 1.0),)),
+    aten.bernoulli.p: ("bernoulli", lambda args, kwargs: (_arg(args, kwargs, 1, "p", 0.5),)),
+    aten.randint.default: ("randint", lambda args, kwargs: (0, args[0])),
+    aten.randint.low: ("randint", lambda args, kwargs: (args[0], args[1])),
+    aten.randperm.default: ("randperm", lambda args, kwargs: ()),
+}
+_BERNOULLI_OF_TENSOR = {aten.bernoulli.default, aten.bernoulli.Tensor}
+# normal of a tensor mean or std: eager draws normal_(0, std) and adds the mean, or normal_(0, 1)
+# and scales it by the std first
+_NORMAL_OF_TENSOR = {aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor}
+NOT_DECOMPOSED = [aten.exponential.default, aten.uniform.default]
+"""Random ops the trace must keep whole (torch decomposes them into `rand_like`, which draws
+other numbers than eager's kernel)."""
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: float) -> float:
+    value = args[index] if len(args) > index else kwargs.get(name, default)
+    if isinstance(value, fx.Node):
+        raise CaptureError(f"a random op's parameter {name} is a tensor")
+    return value
 
 
 def is_random(node: fx.Node) -> bool:
@@ -56,12 +115,9 @@ def is_random(node: fx.Node) -> bool:
 
 
 def lift(gm: fx.GraphModule) -> list[Draw]:
-    """Replace each random op of `gm` by a new placeholder `random_<k>` (after the primals).
-
-    Uniform and normal draws become the placeholder itself; a Bernoulli draw of probabilities p
-    becomes `uniform < p`; Dropout becomes its noise placeholder times the input. Any other
-    random op cannot be drawn outside and raises CaptureError.
-    """
+    """Replace each random op of `gm` by a new placeholder `random_<k>` (after the primals) and
+    the ops that make the random op's value from it. Raises CaptureError for a random op that
+    cannot be drawn outside the graph."""
     graph = gm.graph
     primals = [n for n in graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
     anchor = primals[-1] if primals else None
@@ -69,23 +125,22 @@ def lift(gm: fx.GraphModule) -> list[Draw]:
     for node in list(graph.nodes):
         if not is_random(node):
             continue
-        if node.target is aten.native_dropout.default:
-            draw, value = _dropout_draw(node)
-        elif node.target in _UNIFORM or node.target in _NORMAL or node.target in _BERNOULLI:
-            value = node.meta["val"]
-            kind = "randn" if node.target in _NORMAL else "rand"
-            draw = Draw(kind, _shape(value), _dtype_name(value))
-        else:
+        if node.kwargs.get("generator") is not None:
             raise CaptureError(
-                f"random op {node.target} cannot be drawn from torch's generator outside the "
-                "graph (lazygrad draws rand, randn, bernoulli and dropout)"
+                f"random op {node.target} draws from a generator of its own, which lazygrad "
+                "cannot replay from torch's default generator"
             )
+        draw, value = _draw_of(node)
         anchor = placeholder = _placeholder(graph, anchor, f"random_{len(draws) + 1}", value)
         with graph.inserting_before(node):
             if node.target is aten.native_dropout.default:
                 _replace_dropout(graph, node, placeholder)
-            elif node.target in _BERNOULLI:
+            elif node.target in _BERNOULLI_OF_TENSOR:
                 _replace_bernoulli(graph, node, placeholder)
+            elif node.target is aten.multinomial.default:
+                _replace_multinomial(graph, node, placeholder)
+            elif node.target in _NORMAL_OF_TENSOR:
+                _replace_normal(graph, node, placeholder)
             else:
                 node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
@@ -96,12 +151,33 @@ def lift(gm: fx.GraphModule) -> list[Draw]:
     return draws
 
 
+def _draw_of(node: fx.Node) -> tuple[Draw, torch.Tensor]:
+    """The draw that replaces `node`, and the (fake) value of its placeholder."""
+    value = node.meta["val"]
+    if node.target in _DIRECT:
+        kind, params = _DIRECT[node.target]
+        return Draw(kind, _shape(value), _dtype_name(value), params(node.args, node.kwargs)), value
+    if node.target is aten.native_dropout.default:
+        return _dropout_draw(node)
+    if node.target in _BERNOULLI_OF_TENSOR:
+        return Draw("rand", _shape(value), _dtype_name(value)), value
+    if node.target is aten.multinomial.default:
+        return _multinomial_draw(node)
+    if node.target in _NORMAL_OF_TENSOR:
+        std = node.args[1] if node.target is aten.normal.Tensor_float else 1.0
+        return Draw("normal", _shape(value), _dtype_name(value), (0.0, std)), value
+    raise CaptureError(
+        f"random op {node.target} cannot be drawn from torch's generator outside the graph "
+        f"(lazygrad draws {', '.join(sorted(_SAMPLERS))}, dropout and multinomial)"
+    )
+
+
 def _dropout_draw(node: fx.Node) -> tuple[Draw, torch.Tensor]:
     source, p, train = node.args
     value = source.meta["val"]
     if not train:  # eval-mode native_dropout draws nothing; it never reaches a trace as random
         raise CaptureError("native_dropout with train=False in a trace")
-    return Draw("bernoulli", _shape(value), _dtype_name(value), 1.0 - p), value
+    return Draw("bernoulli", _shape(value), _dtype_name(value), (1.0 - p,)), value
 
 
 def _replace_dropout(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
@@ -112,19 +188,70 @@ def _replace_dropout(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
     scaled = _call(graph, aten.div.Scalar, (noise, keep), noise.meta["val"])
     output = _call(graph, aten.mul.Tensor, (source, scaled), source.meta["val"])
     mask = _call(graph, aten.gt.Scalar, (noise, 0), noise.meta["val"] > 0)
-    for user in list(node.users):
-        if user.target is operator.getitem:
-            user.replace_all_uses_with(output if user.args[1] == 0 else mask)
-            graph.erase_node(user)
+    _replace_items(graph, node, [output, mask])
 
 
 def _replace_bernoulli(graph: fx.Graph, node: fx.Node, uniform: fx.Node) -> None:
-    probability = node.args[1] if node.target is aten.bernoulli.p else node.args[0]
-    compare = aten.lt.Tensor if isinstance(probability, fx.Node) else aten.lt.Scalar
+    probability = node.args[1] if node.target is aten.bernoulli.Tensor else node.args[0]
     value = node.meta["val"]
-    drawn = _call(graph, compare, (uniform, probability), value < 0.5)
+    drawn = _call(graph, aten.lt.Tensor, (uniform, probability), value < 0.5)
     cast = _call(graph, aten._to_copy.default, (drawn,), value, {"dtype": value.dtype})
     node.replace_all_uses_with(cast)
+
+
+def _with_replacement(node: fx.Node) -> bool:
+    """multinomial's kernel draws with replacement only where it matters (more than one)."""
+    replacement = node.args[2] if len(node.args) > 2 else node.kwargs.get("replacement", False)
+    return bool(replacement) and node.args[1] > 1
+
+
+def _replace_normal(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
+    mean, std = node.args[0], node.args[1]
+    value = node.meta["val"]
+    if node.target is not aten.normal.Tensor_float:
+        mul = aten.mul.Tensor if isinstance(std, fx.Node) else aten.mul.Scalar
+        noise = _call(graph, mul, (noise, std), value)
+    add = aten.add.Tensor if isinstance(mean, fx.Node) else aten.add.Scalar
+    node.replace_all_uses_with(_call(graph, add, (noise, mean), value))
+
+
+def _multinomial_draw(node: fx.Node) -> tuple[Draw, torch.Tensor]:
+    value = node.args[0].meta["val"]
+    if _with_replacement(node):  # one float64 uniform per sample, row after row
+        noise = node.meta["val"].to(torch.float64)
+        return Draw("rand", _shape(noise), "float64"), noise
+    return Draw("exponential", _shape(value), _dtype_name(value), (1.0,)), value
+
+
+def _replace_multinomial(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
+    probs, samples = node.args[0], node.args[1]
+    index = node.meta["val"]
+    if _with_replacement(node):  # the number of cumulative probabilities below each uniform
+        p = probs.meta["val"]
+        wide = _call(graph, aten._to_copy.default, (probs,), p.to(torch.float64),
+                     {"dtype": torch.float64})
+        cumulative = _call(graph, aten.cumsum.default, (wide, -1), wide.meta["val"])
+        last = cumulative.meta["val"][..., -1:]
+        total = _call(graph, aten.slice.Tensor, (cumulative, -1, -1), last)
+        cdf = _call(graph, aten.div.Tensor, (cumulative, total), cumulative.meta["val"])
+        u = _call(graph, aten.unsqueeze.default, (noise, -1), noise.meta["val"][..., None])
+        c = _call(graph, aten.unsqueeze.default, (cdf, -2), cdf.meta["val"][..., None, :])
+        above = _call(graph, aten.gt.Tensor, (u, c), u.meta["val"] > c.meta["val"])
+        below = _call(graph, aten.sum.dim_IntList, (above, [-1]), index,
+                      {"dtype": torch.int64})
+        node.replace_all_uses_with(below)
+        return
+    q = _call(graph, aten.div.Tensor, (probs, noise), noise.meta["val"])
+    top = _call(graph, aten.topk.default, (q, samples), torch.topk(q.meta["val"], samples))
+    picked = _call(graph, operator.getitem, (top, 1), index)
+    node.replace_all_uses_with(picked)
+
+
+def _replace_items(graph: fx.Graph, node: fx.Node, items: list[fx.Node]) -> None:
+    for user in list(node.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(items[user.args[1]])
+            graph.erase_node(user)
 
 
 def _call(graph: fx.Graph, target, args: tuple, value: object, kwargs: dict | None = None):

@@ -2,12 +2,16 @@
 
 PyTorch's derivative formulas stay the source of every gradient; some of the ops they emit have
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
-ONNX Runtime has no ConvGrad kernel). Such an op is lowered here, at trace time, into ops that
-export: convolution_backward (plain and transposed) into convolutions, avg_pool2d_backward into
-a transposed convolution, _adaptive_avg_pool2d_backward into two matrix products; and one op
-whose translation ONNX Runtime runs wrong (an accumulating index_put, `accumulate_rows`). Like
+ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's op. Such an op
+is lowered here, at trace time, into ops that export: convolution_backward (plain and
+transposed) into convolutions; avg_pool2d_backward (every ceil_mode, padding and divisor) into a
+transposed convolution; avg_pool2d with divisor_override (torchlib ignores the override) into a
+window sum; adaptive average pooling's backward into two matrix products; adaptive max pooling
+(torch decomposes only even windows) into masked maxima, its backward into a scatter-add;
+diagonal_scatter (torch's decomposition mutates) into a select; and an accumulating index_put,
+whose translation ONNX Runtime runs wrong, into scatter_add (`accumulate_rows`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every graph
-built with them is checked against torch's own op (verify.py) before it serves a step.
+built with them is checked against its FX graph (verify.py) before it serves a step.
 """
 
 from __future__ import annotations
@@ -109,24 +113,68 @@ def avg_pool2d_backward(
 ) -> torch.Tensor:
     """Each window's gradient divided by the window's divisor, spread back over the window:
     the transposed convolution of a depthwise all-ones kernel. The divisor is the override, or
-    the window's size, or (count_include_pad=False) its number of input elements: the average
-    pooling, padding counted, of an all-ones image, times the window's size. (ceil_mode's
-    clipped last windows are not lowered: the capture falls back.)"""
-    if ceil_mode:
+    the product over both axes of how many positions the window covers, as torch's kernel
+    counts them: within the padded input (count_include_pad), or within the input alone. With
+    ceil_mode the last window may reach past the padded input: it counts only what it covers,
+    and the transposed convolution's overhang is cropped away."""
+    if input.dim() == 3:  # unbatched (channels, height, width)
+        return aten.squeeze.dim(avg_pool2d_backward(
+            aten.unsqueeze.default(grad_output, 0), aten.unsqueeze.default(input, 0), kernel_size,
+            stride, padding, ceil_mode, count_include_pad, divisor_override), 0)
+    kernel = list(kernel_size) * (2 // len(kernel_size))
+    stride = list(stride or kernel) * (2 // len(stride or kernel))
+    padding = list(padding) * (2 // len(padding))
+    if divisor_override:
+        spread = aten.div.Scalar(grad_output, divisor_override)
+    else:
+        rows, columns = (
+            _window_counts(grad_output.shape[-2 + axis], input.shape[-2 + axis], kernel[axis],
+                           stride[axis], padding[axis], count_include_pad, grad_output)
+            for axis in range(2)
+        )
+        spread = aten.div.Tensor(grad_output, rows[:, None] * columns[None, :])
+    channels = input.shape[1]
+    window = aten.new_ones.default(input, [channels, 1, *kernel])
+    return _input_gradient(spread, input, window, stride, padding, [1, 1], channels)
+
+
+def avg_pool2d(
+    input: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int] = (),
+    padding: list[int] = (0, 0),
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """With `divisor_override` (torchlib ignores it): each window's sum, divided by the
+    override. The sum is the average over the window's input elements (count_include_pad=False,
+    which ONNX and torch count alike) times their number. Without it: the op as it is."""
+    if not divisor_override:
         return NotImplemented
     kernel = list(kernel_size) * (2 // len(kernel_size))
     stride = list(stride or kernel) * (2 // len(stride or kernel))
     padding = list(padding) * (2 // len(padding))
-    size = kernel[0] * kernel[1]
-    if divisor_override or count_include_pad:
-        spread = aten.div.Scalar(grad_output, divisor_override or size)
-    else:
-        ones = aten.new_ones.default(input, [1, 1, input.shape[2], input.shape[3]])
-        counted = aten.avg_pool2d.default(ones, kernel, stride, padding, False, True, None)
-        spread = aten.div.Tensor(grad_output, aten.mul.Scalar(counted, size))
-    channels = input.shape[1]
-    window = aten.new_ones.default(input, [channels, 1, *kernel])
-    return _input_gradient(spread, input, window, stride, padding, [1, 1], channels)
+    average = aten.avg_pool2d.default(input, kernel, stride, padding, ceil_mode, False, None)
+    rows, columns = (
+        _window_counts(average.shape[-2 + axis], input.shape[-2 + axis], kernel[axis],
+                       stride[axis], padding[axis], False, average)
+        for axis in range(2)
+    )
+    return aten.div.Scalar(average * (rows[:, None] * columns[None, :]), divisor_override)
+
+
+def _window_counts(out: int, size: int, kernel: int, stride: int, padding: int,
+                   include_padding: bool, like: torch.Tensor) -> torch.Tensor:
+    """Per output position of one axis: how many positions its window covers within
+    [-padding, size + padding) (include_padding) or within [0, size). Built from aranges of
+    the (symbolic) sizes, so one graph serves every size."""
+    position = torch.arange(size + 2 * padding, device=like.device) - padding
+    start = torch.arange(out, device=like.device) * stride - padding
+    window = (position[None, :] >= start[:, None]) & (position[None, :] < start[:, None] + kernel)
+    if not include_padding:
+        window = window & (position[None, :] >= 0) & (position[None, :] < size)
+    return window.sum(-1).to(like.dtype)
 
 
 def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -139,13 +187,77 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
 
 
 def _averaging(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
+    inside = _adaptive_windows(out, size, like)
+    weight = 1.0 / inside.sum(-1).to(like.dtype)
+    return torch.where(inside, weight[:, None], torch.zeros((), dtype=like.dtype))
+
+
+def _adaptive_windows(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
+    """(out, size) booleans: output o's window holds input positions floor(o*size/out) ..
+    ceil((o+1)*size/out) - 1, as torch's adaptive pooling windows do."""
     index = torch.arange(out, device=like.device)
     start = torch.div(index * size, out, rounding_mode="floor")
     end = torch.div((index + 1) * size + out - 1, out, rounding_mode="floor")
     position = torch.arange(size, device=like.device)
-    inside = (position[None, :] >= start[:, None]) & (position[None, :] < end[:, None])
-    weight = 1.0 / (end - start).to(like.dtype)
-    return torch.where(inside, weight[:, None], torch.zeros((), dtype=like.dtype))
+    return (position[None, :] >= start[:, None]) & (position[None, :] < end[:, None])
+
+
+def adaptive_max_pool2d(
+    input: torch.Tensor, output_size: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's decomposition covers only windows that divide the input evenly; here every case:
+    the maximum over each window's columns, then over its rows, each with the first position
+    that holds it, so the index (row * width + column) is the first maximum in row-major order,
+    as torch's kernel picks it. The backward, `adaptive_max_pool2d_backward`, scatters by it."""
+    height, width = input.shape[-2], input.shape[-1]
+    rows = _adaptive_windows(output_size[0], height, input)  # (out_h, height)
+    columns = _adaptive_windows(output_size[1], width, input)  # (out_w, width)
+    lowest = torch.full((), float("-inf"), dtype=input.dtype, device=input.device)
+    # (..., height, out_w, width) -> max over width: (..., height, out_w)
+    by_column = torch.where(columns, input[..., :, None, :], lowest)
+    column_max, column_at = by_column.max(-1)
+    # (..., out_h, height, out_w) -> max over height: (..., out_h, out_w)
+    by_row = torch.where(rows[:, :, None], column_max[..., None, :, :], lowest)
+    values, row_at = by_row.max(-2)
+    column = torch.gather(column_at[..., None, :, :].expand(by_row.shape), -2,
+                          row_at[..., None, :]).squeeze(-2)
+    return values, row_at * width + column
+
+
+def adaptive_max_pool2d_backward(
+    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """Each output's gradient added at the input position its index names."""
+    plane = input.shape[-2] * input.shape[-1]
+    flat = aten.new_zeros.default(grad_output, [*input.shape[:-2], plane])
+    added = torch.scatter_add(flat, -1, indices.flatten(-2), grad_output.flatten(-2))
+    return added.reshape(input.shape)
+
+
+def diagonal_scatter(
+    input: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1: int = 0, dim2: int = 1
+) -> torch.Tensor:
+    """`input` with its diagonal (offset, dim1, dim2) replaced by `src`, without mutation.
+
+    torch's own decomposition (torch._refs) copies into a diagonal view: a mutation that the
+    trace's decomposition pass leaves unfunctionalized (`prims.copy_to`, and AOTAutograd
+    refuses the graph). It is the backward of `torch.diagonal` (and of einsum's repeated
+    indices, "ii->i"). Here: `src` spread over the (dim1, dim2) plane by each position's index
+    along the diagonal, chosen where the position lies on it.
+    """
+    dims = input.dim()
+    dim1, dim2 = dim1 % dims, dim2 % dims
+    rows = torch.arange(input.shape[dim1], device=input.device)[:, None]
+    columns = torch.arange(input.shape[dim2], device=input.device)[None, :]
+    on_diagonal = (columns - rows) == offset
+    if src.shape[-1] == 0:
+        return aten.clone.default(input)
+    along = (rows if offset >= 0 else columns).expand(on_diagonal.shape)
+    along = torch.clamp(along, 0, src.shape[-1] - 1)
+    spread = torch.movedim(src[..., along], (-2, -1), (dim1, dim2))
+    on_diagonal = torch.movedim(on_diagonal.reshape([1] * (dims - 2) + list(on_diagonal.shape)),
+                                (-2, -1), (dim1, dim2))
+    return torch.where(on_diagonal, spread, input)
 
 
 def accumulate_rows(
@@ -179,6 +291,10 @@ TABLE = {
     aten.index_put.default: accumulate_rows,
     aten._unsafe_index_put.default: accumulate_rows,
     aten.convolution_backward.default: convolution_backward,
+    aten.avg_pool2d.default: avg_pool2d,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+    aten.diagonal_scatter.default: diagonal_scatter,
+    aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
+    aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
 }

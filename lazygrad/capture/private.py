@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch._decomp import get_decompositions
+from torch._dispatch.python import enable_python_dispatcher
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -118,6 +119,7 @@ __all__ = [
     "TensorArgument",
     "aot_function",
     "default_partition",
+    "enable_python_dispatcher",
     "free_unbacked_symbols",
     "fx_config",
     "fx_traceback",

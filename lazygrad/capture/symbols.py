@@ -66,7 +66,7 @@ def sizes(tensors: Sequence[torch.Tensor], where: Locations) -> dict[str, int]:
 @functools.lru_cache(maxsize=4096)
 def compiled(code: str, names: tuple[str, ...]) -> Callable[..., object]:
     """`code` as a function of the symbols `names` (cached: expressions repeat every call)."""
-    return eval(f"lambda {', '.join(names)}: ({code})", {"math": math})  # noqa: S307
+    return eval(f"lambda {', '.join(names)}: ({code})", {"math": math, "torch": torch})  # noqa: S307
 
 
 def evaluate(code: str, env: dict[str, int]) -> object:
@@ -88,7 +88,18 @@ _BINARY = {
     "FloorDiv": operator.floordiv,
     "FloatTrueDiv": operator.truediv,
     "IntTrueDiv": operator.truediv,
+    "PythonMod": operator.mod,
+    "Mod": operator.mod,
 }
+# torch's sympy functions of one size -> the function that computes them on a SymFloat/SymInt
+_UNARY = {
+    "ToFloat": torch.sym_float,
+    "TruncToInt": math.trunc,
+    "FloorToInt": math.floor,
+    "CeilToInt": math.ceil,
+}
+# of several sizes, folded pairwise
+_VARIADIC = {"Max": torch.sym_max, "Min": torch.sym_min}
 
 
 def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, int]]) -> object:
@@ -120,9 +131,23 @@ def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, in
     if binary is not None:
         a, b = (_emit(graph, arg, where) for arg in expr.args)
         return node(binary, (a, b), binary(val(a), val(b)))
-    if type(expr).__name__ == "ToFloat":
+    unary = _UNARY.get(type(expr).__name__)
+    if unary is not None:
         a = _emit(graph, expr.args[0], where)
-        return node(torch.sym_float, (a,), torch.sym_float(val(a)))
+        return node(unary, (a,), unary(val(a)))
+    variadic = _VARIADIC.get(type(expr).__name__)
+    if variadic is not None:
+        args = [_emit(graph, arg, where) for arg in expr.args]
+        acc = args[0]
+        for arg in args[1:]:
+            acc = node(variadic, (acc, arg), variadic(val(acc), val(arg)))
+        return acc
+    if isinstance(expr, sympy.Pow) and isinstance(expr.args[1], sympy.Integer) and expr.args[1] > 1:
+        base = _emit(graph, expr.args[0], where)
+        acc = base
+        for _ in range(int(expr.args[1]) - 1):
+            acc = node(operator.mul, (acc, base), val(acc) * val(base))
+        return acc
     if isinstance(expr, sympy.Pow) and expr.args[1] == -1:
         a = _emit(graph, expr.args[0], where)
         return node(operator.truediv, (1.0, a), operator.truediv(1.0, val(a)))

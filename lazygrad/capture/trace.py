@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad.capture import lowerings, private, symbols
+from lazygrad.capture import draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -61,7 +61,9 @@ def decompositions() -> dict:
         aten.nll_loss_forward,
         aten._native_batch_norm_legit_functional,
     ]))
-    table.pop(aten.native_dropout.default, None)  # lifted whole: its draw is eager's (draws.py)
+    # Lifted whole, so that their draws are eager's (draws.py).
+    for op in [aten.native_dropout.default, *draws.NOT_DECOMPOSED]:
+        table.pop(op, None)
     table.update(lowerings.TABLE)
     return table
 
@@ -142,8 +144,11 @@ def trace(
             # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
             # around the call, or factories in the model (torch.arange) would make real tensors.
             # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
+            # The Python dispatcher: AOTAutograd runs the traced forward once more on the fakes
+            # for its outputs, and without it some meta kernels (index's broadcast, as in
+            # bilinear upsampling) reach C++ ops that refuse symbolic sizes.
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
-                    sdpa_kernel(SDPBackend.MATH):
+                    private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH):
                 outputs = compiled(*fakes)
         except CaptureError:
             raise

@@ -1,0 +1,127 @@
+"""A ResNet-18-shaped CNN trains through ORT as it trains in eager PyTorch, BatchNorm included.
+
+Written here rather than imported from torchvision (its wheel here is a CUDA build that breaks
+imports next to CPU torch): the ResNet-18 layout with BasicBlocks, at small widths and input.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import ran_through_ort
+
+import lazygrad
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class BasicBlock(torch.nn.Module):
+    def __init__(self, inputs: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(inputs, width, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.conv2 = torch.nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(width)
+        self.downsample = None
+        if stride != 1 or inputs != width:
+            self.downsample = torch.nn.Sequential(
+                torch.nn.Conv2d(inputs, width, 1, stride, bias=False), torch.nn.BatchNorm2d(width)
+            )
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet18(torch.nn.Module):
+    """Stem (7x7 stride-2 convolution, BatchNorm, ReLU, 3x3 stride-2 max pooling), four stages of
+    two BasicBlocks with strides 1, 2, 2, 2, adaptive average pooling, a linear classifier."""
+
+    def __init__(self, widths=(8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(widths[0])
+        self.maxpool = torch.nn.MaxPool2d(3, 2, 1)
+        stages, inputs = [], widths[0]
+        for width, stride in zip(widths, (1, 2, 2, 2)):
+            stages.append(torch.nn.Sequential(BasicBlock(inputs, width, stride),
+                                              BasicBlock(width, width, 1)))
+            inputs = width
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
+        self.fc = torch.nn.Linear(inputs, classes)
+
+    def forward(self, x):
+        x = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """|actual - expected| <= ATOL + RTOL * max |expected|, per tensor: the tolerance scales with
+    the tensor's largest entry, not each entry's own (as in conftest and verify.py). Twenty
+    convolutions and BatchNorms deep, float32 rounding leaves absolute errors near 1e-5 of a
+    gradient's largest entry in eager itself (measured against float64 gradients: eager 1e-5,
+    ORT 3e-5 on the same weights), so small entries have no 1e-4 relative accuracy to compare."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    error = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    assert error <= ATOL + RTOL * scale, f"{what}: error {error:.2e}, largest entry {scale:.2e}"
+
+
+def _assert_grads_close(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    """Every gradient close to eager's, and `.grad is None` exactly where eager's is."""
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad is None differs"
+        if q.grad is not None:
+            _assert_close(p.grad, q.grad, f"{what}: {name}.grad")
+
+
+def _assert_state_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str) -> None:
+    """Parameters and buffers: BatchNorm's running statistics and num_batches_tracked."""
+    for (name, got), want in zip(lazy.state_dict().items(), eager.state_dict().values()):
+        if got.is_floating_point():
+            _assert_close(got, want, f"{what}: {name}")
+        else:
+            assert torch.equal(got, want), f"{what}: {name}"
+
+
+def test_resnet18_shaped_cnn_trains_through_ort_like_eager_running_statistics_included():
+    torch.manual_seed(0)
+    eager = ResNet18()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (lazy, eager)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):  # step 0 runs eagerly and builds; steps 1 and 2 run through ORT
+        x = torch.randn(2, 3, 64, 64, generator=generator)
+        labels = torch.randint(0, 10, (2,), generator=generator)
+        losses, outputs = [], []
+        for model, optimizer in zip((lazy, eager), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, labels)
+            loss.backward()
+            losses.append(loss.detach())
+            outputs.append(out)
+        _assert_close(losses[0], losses[1], f"step {step} loss")
+        _assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step} output")
+        _assert_grads_close(lazy, eager, f"step {step}")
+        _assert_state_equal(lazy, eager, f"step {step} before the update")
+        if step > 0:
+            assert ran_through_ort(outputs[:1]), f"step {step}"
+        for optimizer in optimizers:
+            optimizer.step()
+        _assert_state_equal(lazy, eager, f"step {step} after the update")
+    assert int(lazy.bn1.num_batches_tracked) == 3
+    for model in (lazy, eager):
+        model.eval()
+    for call in range(2):  # eval mode: running statistics, and no update of them
+        x = torch.randn(3, 3, 64, 64, generator=generator)
+        with torch.no_grad():
+            _assert_close(lazy(x), eager(x), f"eval call {call}")
+    _assert_state_equal(lazy, eager, "after eval")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0
+    assert stats.builds == 2  # the training pair of the one mask, the eval inference graph

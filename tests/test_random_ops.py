@@ -1,0 +1,124 @@
+"""Random ops inside a module: drawn from torch's generator, as eager draws them.
+
+Under the same `torch.manual_seed` a lazy step draws what eager draws (outputs, gradients and the
+generator's state after the step are eager's), two runs are identical, and a recompute after a
+missed mask (policy "predict") reuses the forward's draws instead of drawing again.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_close, assert_grads_equal, ran_through_ort
+
+import lazygrad
+
+
+def _bernoulli(h):
+    return h * torch.bernoulli(torch.sigmoid(h)) + h * torch.empty_like(h).bernoulli_(0.3)
+
+
+def _rand(h):
+    return h * torch.rand(h.shape[0], h.shape[1]) + torch.rand_like(h) - torch.randn_like(h) * h \
+        + torch.randn(h.shape[0], 1)
+
+
+def _multinomial(h):
+    probs = h.softmax(-1)
+    return torch.cat([h.gather(1, torch.multinomial(probs, 3)),
+                      h.gather(1, torch.multinomial(probs, 4, replacement=True))], 1)
+
+
+def _more_distributions(h):
+    return (h * torch.empty_like(h).uniform_(-1, 2) + torch.normal(h, 0.5)
+            + h * torch.empty_like(h).exponential_(2.0))[:, torch.randperm(h.shape[1])]
+
+
+RANDOM = {
+    "bernoulli": _bernoulli,
+    "rand_randn": _rand,
+    "multinomial": _multinomial,
+    "uniform_normal_exponential_randperm": _more_distributions,
+}
+
+
+class TwoHeads(torch.nn.Module):
+    """The random op feeds both heads: a step that trains the second head after steps that did
+    not needs the random values again (under "predict", a recompute of the forward)."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(6, 8)
+        self.first = torch.nn.Linear(8, 3)
+        self.second = torch.nn.Linear(8, 2)
+        self.op = op
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        r = self.op(h)
+        r = r[:, :8] if r.shape[1] >= 8 else torch.cat([r, h], 1)[:, :8]
+        return self.first(r), self.second(r * h)
+
+
+MASKS = [(True, False), (True, False), (True, True), (False, True)]
+
+
+def _step(model, x, seed: int, mask):
+    """Outputs, gradients and the generator's next number after one seeded step."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    outputs = model(x)
+    sum((o * (i + 1)).sum() for i, (o, bit) in enumerate(zip(outputs, mask)) if bit).backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return outputs, grads, torch.rand(1)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_op_draws_what_eager_draws_and_a_recompute_reuses_the_draws(name):
+    torch.manual_seed(0)
+    eager = TwoHeads(RANDOM[name])
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(5, 6)
+    for step, mask in enumerate(MASKS):
+        what = f"{name} step {step} mask {mask}"
+        outputs, grads, after = _step(lazy, x, 100 + step, mask)
+        expected, _, eager_after = _step(eager, x, 100 + step, mask)
+        for got, want in zip(outputs, expected):
+            assert_close(got.detach(), want.detach(), f"{what}: output")
+        assert_grads_equal(lazy, eager, what)
+        assert torch.equal(after, eager_after), f"{what}: the generator moved unlike eager's"
+        if step > 0:
+            assert ran_through_ort(outputs), what
+            again, grads_again, _ = _step(lazy, x, 100 + step, mask)  # same seed, same step
+            for first, second in zip(outputs, again):
+                assert torch.equal(first, second), f"{what}: a rerun under the seed differs"
+            for n, g in grads.items():
+                assert (g is None and grads_again[n] is None) or torch.equal(g, grads_again[n]), n
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0
+    assert stats.recomputes == 2  # steps 2 and 3 missed the plan of the step before
+
+
+class OwnGenerator(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h * torch.rand(4, generator=self.generator)
+
+
+@pytest.mark.falls_back
+def test_a_draw_from_a_generator_of_the_modules_own_falls_back_and_is_never_baked_in():
+    model = lazygrad.lazy(OwnGenerator())
+    x = torch.randn(3, 4)
+    with pytest.warns(lazygrad.FallbackWarning, match="generator of its own"):
+        outputs = [model(x) for _ in range(3)]
+        for out in outputs:
+            out.sum().backward()
+    assert not torch.equal(outputs[1], outputs[2])  # each step draws anew, as eager does
+    assert lazygrad.stats(model).fallbacks == 1
