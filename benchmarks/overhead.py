@@ -73,7 +73,7 @@ def _ort_run(session: GraphSession, feeds: dict[str, torch.Tensor]) -> Callable[
     for name, tensor in feeds.items():
         binding.bind_ortvalue_input(name, _to_ortvalue(tensor))
     for name in session.output_names:
-        binding.bind_output(name, session._output_device)
+        binding.bind_output(name, session.output_device)
     return lambda: raw.run_with_iobinding(binding, None)
 
 
@@ -92,7 +92,7 @@ def measure(blocks: int, calls: int = 200) -> Overhead:
         session, feeds = _inference_session(model, x)
         ways: dict[str, Callable[[], object]] = {
             "lazygrad": lambda: model(x),
-            "session": lambda: session.run(feeds),
+            "session": lambda: session.run(list(feeds.values())),
             "ort": _ort_run(session, feeds),
         }
         times: dict[str, list[float]] = {name: [] for name in ways}

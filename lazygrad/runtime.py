@@ -178,9 +178,7 @@ class Runtime:
     def _infer(self, pair: GraphPair, primals: list[torch.Tensor], env: dict[str, int],
                device: torch.device) -> list[torch.Tensor]:
         results = pair.forward(primals, pair.draw(env, device), device)
-        with torch.no_grad():
-            for result, primal in pair.graphs.mutations:
-                primals[primal].copy_(results[result])
+        pair.write_back(primals, results)
         return pair.outputs(results, env)
 
     def _first_call(

@@ -2,12 +2,17 @@
 
 Inputs are handed to ORT as OrtValues that alias the torch storage, outputs come back as
 OrtValues that torch adopts without a copy; the same IOBinding path serves CPU and CUDA.
-The module's parameters are fed every call: their OrtValues are made once and reused while the
-tensor's storage stays where it was (an optimizer updates it in place), which keeps the per-call
-cost to the call's own inputs and outputs.
+Each thread reuses one IOBinding per session. The module's parameters are fed every call: their
+OrtValues are made and bound once and stay bound while the tensor's storage stays where it was
+(an optimizer updates it in place), which keeps the per-call cost to the call's own inputs and
+outputs.
 """
 
 from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Sequence
 
 import onnx
 import onnxruntime
@@ -42,11 +47,14 @@ class GraphSession:
         self.device = device
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
-        self._persistent = persistent
-        self._ortvalues: dict[str, tuple[torch.Tensor, tuple, ort_c.OrtValue]] = {}
+        self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
+        self.call_at = [i for i, name in enumerate(self.input_names) if name not in persistent]
         self._model_bytes = model.SerializeToString()
         self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
-        self._output_device = _ort_device(device)
+        self.output_device = _ort_device(device)
+        # Bound in place of a call's own inputs between calls: a binding must not keep them alive.
+        self.placeholder = _to_ortvalue(torch.zeros(1, device=device))
+        self._bindings = threading.local()
 
     def _create(self, level: onnxruntime.GraphOptimizationLevel) -> onnxruntime.InferenceSession:
         options = onnxruntime.SessionOptions()
@@ -71,49 +79,117 @@ class GraphSession:
         except Exception as error:  # e.g. no kernel for an op at this dtype on this device
             raise GraphRunError(f"ORT cannot load the graph on {self.device}: {error}") from error
 
-    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Run with `feeds` (name -> tensor on this session's device); outputs in graph order."""
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run on `inputs` (in graph input order, on this session's device); outputs in graph
+        order."""
         try:
-            return _to_tensors(self._run(feeds))
+            return self._binding().run(inputs)
         except _MissingOutput:
             # A fusion we have not met yet dropped a requested output: fall back, for good, to
             # the basic optimisation level, which does no fusions.
             self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC)
             try:
-                return _to_tensors(self._run(feeds))
+                return self._binding().run(inputs)
             except _MissingOutput as missing:
                 name = self.output_names[missing.index]
                 raise GraphRunError(f"ORT produced no tensor for output '{name}'") from None
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> ort_c.OrtValueVector:
-        binding = ort_c.SessionIOBinding(self._session._sess)
-        for name in self.input_names:
-            binding.bind_ortvalue_input(name, self._ortvalue(name, feeds[name]))
-        for name in self.output_names:
-            binding.bind_output(name, self._output_device)
-        if self.device.type == "cuda":
-            binding.synchronize_inputs()
-        try:
-            self._session._sess.run_with_iobinding(binding, None)
-        except Exception as error:  # ORT's own exception types, re-raised with the graph named
-            raise GraphRunError(str(error)) from error
-        if self.device.type == "cuda":
-            binding.synchronize_outputs()
-        return binding.get_outputs()
+    def _binding(self) -> _Binding:
+        """This thread's binding (an IOBinding is not safe to share between threads)."""
+        binding = getattr(self._bindings, "current", None)
+        if binding is None or binding.session is not self._session:
+            binding = self._bindings.current = _Binding(self, self._session)
+        return binding
 
-    def _ortvalue(self, name: str, tensor: torch.Tensor) -> ort_c.OrtValue:
-        if name not in self._persistent:
-            return _to_ortvalue(tensor)
-        if not tensor.is_contiguous():
-            return _to_ortvalue(tensor)  # a contiguous copy: it would not see later updates
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        cached = self._ortvalues.get(name)
-        # Same tensor, same storage: the OrtValue still aliases it (in-place updates included).
-        if cached is not None and cached[0] is tensor and cached[1] == key:
-            return cached[2]
-        value = _to_ortvalue(tensor)
-        self._ortvalues[name] = (tensor, key, value)
-        return value
+
+class _Binding:
+    """One thread's IOBinding of a session, reused call after call.
+
+    Module state stays bound between calls: its OrtValue aliases the parameter's storage, so an
+    optimizer's in-place update needs nothing, and it is made and bound again only when the
+    tensor's storage, shape or dtype changed (`p.data = ...`, `.to()`). A call's own inputs and
+    the outputs are bound for the call and released after it (the inputs by binding a
+    placeholder, or by clearing every input where the call's own inputs are the most): the
+    binding keeps no tensor of a call alive, so a backward's saved activations are freed when
+    its run ends.
+    """
+
+    def __init__(self, owner: GraphSession, session: onnxruntime.InferenceSession) -> None:
+        self.session = session
+        self._run = session._sess.run_with_iobinding
+        self._io = ort_c.SessionIOBinding(session._sess)
+        self._names = owner.input_names
+        self._state_at = owner.state_at
+        self._call_at = owner.call_at
+        self._outputs = owner.output_names
+        self._output_device = owner.output_device
+        self._placeholder = owner.placeholder
+        self._cuda = owner.device.type == "cuda"
+        self._clear_all = len(self._call_at) > len(self._state_at)
+        # per state input: ((data_ptr, (shape, dtype)), OrtValue) of the tensor last bound
+        self._state: list[tuple[tuple, ort_c.OrtValue] | None] = [None] * len(self._state_at)
+        self._pointers: list[int] = []
+        self._metas: list[tuple[torch.Size, torch.dtype]] = []
+        self._state_bound = False
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        io, names = self._io, self._names
+        try:
+            self._bind_state(inputs)
+            for position in self._call_at:
+                io.bind_ortvalue_input(names[position], _to_ortvalue(inputs[position]))
+            for name in self._outputs:
+                io.bind_output(name, self._output_device)
+            if self._cuda:
+                io.synchronize_inputs()
+            try:
+                self._run(io, None)
+            except Exception as error:  # ORT's own exception types, re-raised with the graph named
+                raise GraphRunError(str(error)) from error
+            if self._cuda:
+                io.synchronize_outputs()
+            # Adopted by torch before the release: `get_outputs` is a view of the binding's own.
+            return _to_tensors(io.get_outputs())
+        finally:
+            self._release()
+
+    def _bind_state(self, inputs: Sequence[torch.Tensor]) -> None:
+        tensors = list(map(inputs.__getitem__, self._state_at))
+        # Same storage, shape and dtype, contiguous: the OrtValues bound still alias the
+        # tensors (checked in a few C-level passes: this runs every call, for every parameter).
+        pointers = list(map(torch.Tensor.data_ptr, tensors))
+        metas = list(map(_SHAPE_DTYPE, tensors))
+        if (
+            self._state_bound
+            and pointers == self._pointers
+            and metas == self._metas
+            and all(map(torch.Tensor.is_contiguous, tensors))
+        ):
+            return
+        io, names, state = self._io, self._names, self._state
+        for slot, position in enumerate(self._state_at):
+            tensor = tensors[slot]
+            if not tensor.is_contiguous():
+                # A contiguous copy, made every call: it would not see later in-place updates.
+                state[slot] = None
+                io.bind_ortvalue_input(names[position], _to_ortvalue(tensor))
+                continue
+            key = (pointers[slot], metas[slot])
+            if state[slot] is None or state[slot][0] != key:
+                state[slot] = (key, _to_ortvalue(tensor))
+            io.bind_ortvalue_input(names[position], state[slot][1])
+        self._pointers, self._metas = pointers, metas
+        self._state_bound = True
+
+    def _release(self) -> None:
+        io = self._io
+        io.clear_binding_outputs()  # the outputs now belong to torch alone
+        if self._clear_all:
+            io.clear_binding_inputs()
+            self._state_bound = False
+            return
+        for position in self._call_at:
+            io.bind_ortvalue_input(self._names[position], self._placeholder)
 
 
 def _providers(device: torch.device) -> list:
@@ -139,6 +215,9 @@ def _ort_device(device: torch.device) -> ort_c.OrtDevice:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return ort_c.OrtDevice(ort_c.OrtDevice.cuda(), ort_c.OrtDevice.default_memory(), index)
     return ort_c.OrtDevice(ort_c.OrtDevice.cpu(), ort_c.OrtDevice.default_memory(), 0)
+
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 class _MissingOutput(Exception):
