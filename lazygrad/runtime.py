@@ -34,7 +34,7 @@ from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, tensors_of
 from lazygrad.session import GraphRunError
-from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
+from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step
 from lazygrad.verify import VerificationError, verify
@@ -84,6 +84,7 @@ class Runtime:
     def _init_caches(self) -> None:
         self.forward_fn = original_forward(type(self.module))
         self._state = ModuleState(self.module)
+        self._signatures = LastSignature()
         self._lock = threading.RLock()
         self.stats = Stats()
         self._entries: dict[Signature, SignatureEntry] = {}
@@ -129,7 +130,7 @@ class Runtime:
         call = flatten_call(args, kwargs)
         with self._lock:
             state, modes = self._state.read()
-            signature = signature_of(call, state, modes)
+            signature = self._signatures.of(call, state, modes)
         return self._call(signature, call, state, args, kwargs)
 
     def _call(
