@@ -56,7 +56,11 @@ class GraphSession:
         self.placeholder = _to_ortvalue(torch.zeros(1, device=device))
         self._bindings = threading.local()
 
-    def _create(self, level: onnxruntime.GraphOptimizationLevel) -> onnxruntime.InferenceSession:
+    def _create(
+        self, level: onnxruntime.GraphOptimizationLevel, spinning: bool = False, threads: int = 0
+    ) -> onnxruntime.InferenceSession:
+        """`spinning`, `threads` (0: ORT's default, one per core): the thread settings that
+        `benchmarks/overhead.py --spinning` compares; lazygrad uses the defaults."""
         options = onnxruntime.SessionOptions()
         # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
         # back as exceptions that the runtime explains; printed as well, they would mislead.
@@ -69,7 +73,8 @@ class GraphSession:
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
         # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
+        options.intra_op_num_threads = threads
         providers = _providers(self.device)
         try:
             return onnxruntime.InferenceSession(

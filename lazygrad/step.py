@@ -12,7 +12,7 @@ outside the mask, as ORTModule does; under "recompute" the backward graph recomp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -52,13 +52,11 @@ class Step:
         draws = pair.draw(self.env, self.device) if pair.graphs.draws else []
         results = pair.forward(primals, draws, self.device)
         outputs = pair.outputs(results, self.env)
-        kept_primals: Sequence[torch.Tensor] = primals
-        if pair.graphs.mutations:
-            kept_primals = list(primals)
-            for _, primal in pair.graphs.mutations:
-                # A rerun of the forward must read what this one read, not the updated value.
-                kept_primals[primal] = primals[primal].detach().clone()
-            pair.write_back(primals, results)
+        kept_primals = list(primals) if pair.graphs.mutations else primals
+        for _, primal in pair.graphs.mutations:
+            # A rerun of the forward must read what this one read, not the updated value.
+            kept_primals[primal] = primals[primal].detach().clone()  # type: ignore[index]
+        pair.write_back(primals, results)
         read = pair.outputs_read_by_backward
         self._layout = (len(primals), len(draws), read)
         if self.policy == "all":  # zeros of these are fed for outputs without a gradient
