@@ -10,7 +10,6 @@ outputs.
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Sequence
 
@@ -43,7 +42,9 @@ class GraphSession:
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
     ) -> None:
-        """`persistent`: inputs fed the same long-lived tensor every call (module state)."""
+        """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
+        shape and dtype stay as they are for the session's life (a pair's sessions serve one
+        signature, which holds them); a new storage or layout is seen."""
         self.device = device
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
@@ -112,7 +113,7 @@ class _Binding:
 
     Module state stays bound between calls: its OrtValue aliases the parameter's storage, so an
     optimizer's in-place update needs nothing, and it is made and bound again only when the
-    tensor's storage, shape or dtype changed (`p.data = ...`, `.to()`). A call's own inputs and
+    tensor's storage moved (`p.data = ...`) or it is no longer contiguous. A call's own inputs and
     the outputs are bound for the call and released after it (the inputs by binding a
     placeholder, or by clearing every input where the call's own inputs are the most): the
     binding keeps no tensor of a call alive, so a backward's saved activations are freed when
@@ -131,10 +132,9 @@ class _Binding:
         self._placeholder = owner.placeholder
         self._cuda = owner.device.type == "cuda"
         self._clear_all = len(self._call_at) > len(self._state_at)
-        # per state input: ((data_ptr, (shape, dtype)), OrtValue) of the tensor last bound
+        # per state input: ((data_ptr, shape, dtype), OrtValue) of the tensor last bound
         self._state: list[tuple[tuple, ort_c.OrtValue] | None] = [None] * len(self._state_at)
         self._pointers: list[int] = []
-        self._metas: list[tuple[torch.Size, torch.dtype]] = []
         self._state_bound = False
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -160,14 +160,13 @@ class _Binding:
 
     def _bind_state(self, inputs: Sequence[torch.Tensor]) -> None:
         tensors = list(map(inputs.__getitem__, self._state_at))
-        # Same storage, shape and dtype, contiguous: the OrtValues bound still alias the
-        # tensors (checked in a few C-level passes: this runs every call, for every parameter).
+        # Same storage, still contiguous: the OrtValues bound still alias the tensors (their
+        # shapes and dtypes are the session's contract). Checked in two C-level passes: this
+        # runs every call, for every parameter.
         pointers = list(map(torch.Tensor.data_ptr, tensors))
-        metas = list(map(_SHAPE_DTYPE, tensors))
         if (
             self._state_bound
             and pointers == self._pointers
-            and metas == self._metas
             and all(map(torch.Tensor.is_contiguous, tensors))
         ):
             return
@@ -177,13 +176,14 @@ class _Binding:
             if not tensor.is_contiguous():
                 # A contiguous copy, made every call: it would not see later in-place updates.
                 state[slot] = None
+                pointers[slot] = -1  # no tensor's: the next call binds this slot again
                 io.bind_ortvalue_input(names[position], _to_ortvalue(tensor))
                 continue
-            key = (pointers[slot], metas[slot])
+            key = (pointers[slot], tensor.shape, tensor.dtype)
             if state[slot] is None or state[slot][0] != key:
                 state[slot] = (key, _to_ortvalue(tensor))
             io.bind_ortvalue_input(names[position], state[slot][1])
-        self._pointers, self._metas = pointers, metas
+        self._pointers = pointers
         self._state_bound = True
 
     def _release(self) -> None:
@@ -220,9 +220,6 @@ def _ort_device(device: torch.device) -> ort_c.OrtDevice:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return ort_c.OrtDevice(ort_c.OrtDevice.cuda(), ort_c.OrtDevice.default_memory(), index)
     return ort_c.OrtDevice(ort_c.OrtDevice.cpu(), ort_c.OrtDevice.default_memory(), 0)
-
-
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 class _MissingOutput(Exception):

@@ -48,25 +48,24 @@ def test_a_session_run_keeps_none_of_the_calls_inputs_or_outputs_alive(call_inpu
     torch.testing.assert_close(again, w + b + call_inputs - 1)
 
 
-def test_state_updated_in_place_or_given_new_storage_shape_or_layout_is_seen():
+def test_state_updated_in_place_or_given_new_storage_or_layout_is_seen():
     session = _affine_session()
-    w, b, x = torch.randn(4), torch.randn(4), torch.randn(4)
+    w, b, x = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
     check = lambda: torch.testing.assert_close(session.run([w, b, x])[0], x * w + b)  # noqa: E731
     check()
     w.add_(1.0)  # in place, as an optimizer: the bound value aliases it
     check()
-    w.data = torch.randn(4)  # new storage, same tensor object
+    w.data = torch.randn(4, 4)  # new storage, same tensor object
     check()
-    storage = torch.randn(8)
-    b.data = storage[4:]  # a view: another data pointer
+    storage = torch.randn(32)
+    b.data = storage[16:].view(4, 4)  # a view: another data pointer
     check()
-    b.data = storage[4:].view(1, 4)  # same data pointer, another shape
-    assert session.run([w, b, x])[0].shape == (1, 4)
+    w.data = w.data.t()  # the same data pointer, transposed: bound as a contiguous copy
     check()
-    square = torch.randn(4, 4)
-    w.data, x = square.t(), torch.randn(4, 4)  # not contiguous: bound as a copy
+    w.add_(1.0)
     check()
-    square.add_(1.0)
+    w.data = w.data.t()  # contiguous again, at the pointer bound before the transpose
+    w.add_(1.0)
     check()
 
 
