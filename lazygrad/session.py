@@ -164,13 +164,13 @@ class _Binding:
         # shapes and dtypes are the session's contract). Checked in two C-level passes: this
         # runs every call, for every parameter.
         pointers = list(map(torch.Tensor.data_ptr, tensors))
-        if (
-            self._state_bound
-            and pointers == self._pointers
-            and all(map(torch.Tensor.is_contiguous, tensors))
-        ):
-            return
         io, names, state = self._io, self._names, self._state
+        if pointers == self._pointers and all(map(torch.Tensor.is_contiguous, tensors)):
+            if not self._state_bound:  # cleared after the last run: bind the same values again
+                for slot, position in enumerate(self._state_at):
+                    io.bind_ortvalue_input(names[position], state[slot][1])  # type: ignore[index]
+                self._state_bound = True
+            return
         for slot, position in enumerate(self._state_at):
             tensor = tensors[slot]
             if not tensor.is_contiguous():

@@ -48,10 +48,14 @@ def test_a_session_run_keeps_none_of_the_calls_inputs_or_outputs_alive(call_inpu
     torch.testing.assert_close(again, w + b + call_inputs - 1)
 
 
-def test_state_updated_in_place_or_given_new_storage_or_layout_is_seen():
-    session = _affine_session()
+@pytest.mark.parametrize("call_inputs", [1, 3])  # state kept bound / bound again every call
+def test_state_updated_in_place_or_given_new_storage_or_layout_is_seen(call_inputs):
+    session = _affine_session(call_inputs)
     w, b, x = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
-    check = lambda: torch.testing.assert_close(session.run([w, b, x])[0], x * w + b)  # noqa: E731
+    zeros = [torch.zeros(4, 4)] * (call_inputs - 1)
+    check = lambda: torch.testing.assert_close(  # noqa: E731
+        session.run([w, b, x, *zeros])[0], x * w + b
+    )
     check()
     w.add_(1.0)  # in place, as an optimizer: the bound value aliases it
     check()
