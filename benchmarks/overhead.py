@@ -12,7 +12,8 @@ is left above `ORT run` is the per-call cost a user pays on any model.
 
 `python -m benchmarks.overhead` prints the figures; `--spinning` measures instead the steady
 step of the BERT-shaped workload with ORT's intra-op threads spinning or not (and with one
-intra-op thread), interleaved with eager PyTorch: the measurement behind `session.py`'s setting.
+intra-op thread), interleaved with eager PyTorch: the measurement behind `session.py`'s settings
+(no spinning; as many intra-op threads as torch's, two on this project's machine).
 """
 
 from __future__ import annotations
@@ -174,14 +175,14 @@ def _ort_in_call(session: GraphSession, call: Callable[[], object], calls: int) 
 
 # ---- thread settings: ORT's intra-op threads spinning or not, on the BERT-shaped workload ----
 
-SETTINGS = {  # name -> (session.intra_op.allow_spinning, intra_op_num_threads; 0: ORT's default)
-    "no spinning (lazygrad's setting)": (False, 0),
-    "spinning (ORT's default)": (True, 0),
+SETTINGS = {  # name -> (allow_spinning, intra_op_num_threads; None: torch's thread count)
+    "no spinning (lazygrad's setting)": (False, None),
+    "spinning (ORT's default)": (True, None),
     "no spinning, 1 intra-op thread": (False, 1),
 }
 
 
-def _recreate_sessions(model: torch.nn.Module, spinning: bool, threads: int) -> None:
+def _recreate_sessions(model: torch.nn.Module, spinning: bool, threads: int | None) -> None:
     """Every session of the model made again with these thread settings (the rest as
     `GraphSession` makes them)."""
     for entry in runtime_of(model)._pairs.values():

@@ -58,9 +58,12 @@ class GraphSession:
         self._bindings = threading.local()
 
     def _create(
-        self, level: onnxruntime.GraphOptimizationLevel, spinning: bool = False, threads: int = 0
+        self,
+        level: onnxruntime.GraphOptimizationLevel,
+        spinning: bool = False,
+        threads: int | None = None,
     ) -> onnxruntime.InferenceSession:
-        """`spinning`, `threads` (0: ORT's default, one per core): the thread settings that
+        """`spinning`, `threads` (None: torch's intra-op thread count): the thread settings that
         `benchmarks/overhead.py --spinning` compares; lazygrad uses the defaults."""
         options = onnxruntime.SessionOptions()
         # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
@@ -73,9 +76,13 @@ class GraphSession:
         options.enable_cpu_mem_arena = False
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
-        # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms).
+        # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the
+        # BERT-shaped step with AdamW 1.26x slower spinning, benchmarks/results/overhead.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
-        options.intra_op_num_threads = threads
+        # ORT and torch take turns on the same cores, so ORT uses as many threads as torch
+        # does: `torch.set_num_threads` sets both (on a shared machine, 1 thread each was the
+        # faster BERT-shaped step in that measurement).
+        options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
         providers = _providers(self.device)
         try:
             return onnxruntime.InferenceSession(

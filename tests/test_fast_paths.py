@@ -1,5 +1,6 @@
 """The per-call fast paths skip work only while what it would compute is unchanged: a session's
-reused binding, the module's attributes read again only on change, the last signature reused."""
+reused binding, the module's attributes read again only on change, the last signature reused.
+And the sessions' thread settings."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def test_state_updated_in_place_or_given_new_storage_or_layout_is_seen(call_inpu
     w.data = w.data.t()  # contiguous again, at the pointer bound before the transpose
     w.add_(1.0)
     check()
+
+
+def test_sessions_use_torchs_thread_count_and_do_not_spin():
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            options = _affine_session()._session.get_session_options()
+            assert options.intra_op_num_threads == count
+            assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_threads_run_one_session_at_once_each_on_its_own_binding():
