@@ -44,9 +44,10 @@ class LazyFunction(torch.autograd.Function):
         # PyTorch's own version-counter error, and a second backward raises its own error.
         ctx.save_for_backward(*saved)
         ctx.step = step
-        ctx.mark_non_differentiable(
-            *[out for out, diff in zip(outputs, step.differentiable) if not diff]
-        )
+        if not all(step.differentiable):
+            ctx.mark_non_differentiable(
+                *[out for out, diff in zip(outputs, step.differentiable) if not diff]
+            )
         return tuple(outputs)
 
     @staticmethod

@@ -11,11 +11,19 @@ walked again only when it may have: torch's global registration hooks report eve
 buffer and submodule assigned anywhere, and each call also checks that every cached tensor is
 still the one its module holds (which catches direct writes to `_parameters`, as
 `torch.__future__.set_overwrite_module_params_on_conversion` makes `.to()` do).
+
+The plain attributes are read again only when a submodule's `__dict__` changed: each call
+compares every `__dict__`'s keys and values, by identity, with those the attributes were last
+read from (a few C-level passes, where filtering every attribute in Python cost more than ORT's
+run), and returns the very same `modes` tuple while they match. The values compared are held
+until the next change, so an attribute the module replaced stays alive until its next call.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
+from typing import NamedTuple
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -34,42 +42,82 @@ torch_module.register_module_buffer_registration_hook(_structure_changed)
 torch_module.register_module_module_registration_hook(_structure_changed)
 
 
+class _Attributes(NamedTuple):
+    """The plain attributes of every submodule (`modes`), and what they were read from: every
+    submodule's `__dict__`, as lengths, keys and values (held, so no identity is reused)."""
+
+    lengths: list[int]
+    keys: list[str]
+    values: list[object]
+    modes: tuple
+
+
 class ModuleState:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._version = -1
         self._modules: list[torch.nn.Module] = []
-        self._owners: list[tuple[dict, str, torch.Tensor]] = []
+        self._tables: list[dict] = []  # per state tensor: the `_parameters`/`_buffers` holding it
+        self._names: list[str] = []
+        self._tensors: list[torch.Tensor] = []
         self._state: dict[str, torch.Tensor] = {}
+        self._attributes: _Attributes | None = None
 
     def read(self) -> tuple[dict[str, torch.Tensor], tuple]:
         """Parameters and buffers by qualified name, and the plain attributes of every
-        submodule (its training flag among them)."""
+        submodule (its training flag among them). Both are the same objects as the last call's
+        while nothing they were read from changed."""
         if self._version != _structure_version or not self._current():
             self._walk()
-        return self._state, tuple(
-            tuple(item for item in m.__dict__.items() if _is_plain(item[1]))
-            for m in self._modules
-        )
+        dicts = list(map(vars, self._modules))
+        attributes = self._attributes
+        if attributes is None or not _unchanged(attributes, dicts):
+            attributes = self._attributes = _read(dicts, attributes)
+        return self._state, attributes.modes
 
     def _current(self) -> bool:
-        return all(owner.get(name) is tensor for owner, name, tensor in self._owners)
+        return all(map(operator.is_, map(dict.get, self._tables, self._names), self._tensors))
 
     def _walk(self) -> None:
         self._version = _structure_version
         self._modules = list(self.module.modules())
         state: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
-        owners = []
+        self._tables, self._names, self._tensors = [], [], []
         for qualified, tensor in state.items():
             prefix, _, name = qualified.rpartition(".")
             owner = self.module.get_submodule(prefix)
-            table = owner._parameters if name in owner._parameters else owner._buffers
-            owners.append((table, name, tensor))
-        self._owners = owners
+            self._tables.append(owner._parameters if name in owner._parameters else owner._buffers)
+            self._names.append(name)
+            self._tensors.append(tensor)
         self._state = state
 
 
+def _unchanged(attributes: _Attributes, dicts: list[dict]) -> bool:
+    """Whether these `__dict__`s hold the same keys and the very same values as when
+    `attributes` were read. A plain value is immutable, so any change that concerns one (a
+    non-plain value replaced by a plain one included) replaces an object: identity is exact,
+    and it compares no values (`==` on a tensor attribute would compare elements)."""
+    return (
+        list(map(len, dicts)) == attributes.lengths
+        and all(map(operator.is_, _chain(map(dict.values, dicts)), attributes.values))
+        and list(_chain(map(dict.keys, dicts))) == attributes.keys
+    )
+
+
+def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
+    modes = tuple(tuple(item for item in d.items() if _is_plain(item[1])) for d in dicts)
+    if previous is not None and modes == previous.modes:
+        modes = previous.modes  # the same object while equal: the signature's fast path
+    return _Attributes(
+        list(map(len, dicts)),
+        list(_chain(map(dict.keys, dicts))),
+        list(_chain(map(dict.values, dicts))),
+        modes,
+    )
+
+
+_chain = itertools.chain.from_iterable
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 

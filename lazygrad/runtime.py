@@ -38,7 +38,7 @@ from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, tensors_of
 from lazygrad.parts import parts_of
 from lazygrad.session import GraphRunError
-from lazygrad.signature import FlatCall, Signature, flatten_call, signature_of
+from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
 from lazygrad.verify import VerificationError, verify
@@ -107,6 +107,7 @@ class Runtime:
     def _init_caches(self) -> None:
         self.forward_fn = attach.original_forward(type(self.module))
         self._state = ModuleState(self.module)
+        self._signatures = LastSignature()
         self._lock = threading.RLock()
         self.stats = Stats()
         self._entries: dict[Signature, SignatureEntry] = {}
@@ -196,7 +197,7 @@ class Runtime:
         call = flatten_call(args, kwargs)
         with self._lock:
             state, modes = self._state.read()
-            signature = signature_of(call, state, modes)
+            signature = self._signatures.of(call, state, modes)
         return self._call(signature, call, state, args, kwargs)
 
     def _call(
@@ -265,9 +266,7 @@ class Runtime:
     def _infer(self, pair: GraphPair, primals: list[torch.Tensor], env: dict[str, int],
                device: torch.device) -> list[torch.Tensor]:
         results = pair.forward(primals, pair.draw(env, device), device)
-        with torch.no_grad():
-            for result, primal in pair.graphs.mutations:
-                primals[primal].copy_(results[result])
+        pair.write_back(primals, results)
         return pair.outputs(results, env)
 
     def _first_call(

@@ -2,14 +2,17 @@
 
 Inputs are handed to ORT as OrtValues that alias the torch storage, outputs come back as
 OrtValues that torch adopts without a copy; the same IOBinding path serves CPU and CUDA.
-The module's parameters are fed every call: their OrtValues are made once and reused while the
-tensor's storage stays where it was (an optimizer updates it in place), which keeps the per-call
-cost to the call's own inputs and outputs.
+Each thread reuses one IOBinding per session. The module's parameters are fed every call: their
+OrtValues are made and bound once and stay bound while the tensor's storage stays where it was
+(an optimizer updates it in place), which keeps the per-call cost to the call's own inputs and
+outputs.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Sequence
 
 import onnx
 import onnxruntime
@@ -42,17 +45,29 @@ class GraphSession:
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
     ) -> None:
-        """`persistent`: inputs fed the same long-lived tensor every call (module state)."""
+        """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
+        shape and dtype stay as they are for the session's life (a pair's sessions serve one
+        signature, which holds them); a new storage or layout is seen."""
         self.device = device
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
-        self._persistent = persistent
-        self._ortvalues: dict[str, tuple[torch.Tensor, tuple, ort_c.OrtValue]] = {}
+        self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
+        self.call_at = [i for i, name in enumerate(self.input_names) if name not in persistent]
         self._model_bytes = model.SerializeToString()
         self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
-        self._output_device = _ort_device(device)
+        self.output_device = _ort_device(device)
+        # Bound in place of a call's own inputs between calls: a binding must not keep them alive.
+        self.placeholder = _to_ortvalue(torch.zeros(1, device=device))
+        self._bindings = threading.local()
 
-    def _create(self, level: onnxruntime.GraphOptimizationLevel) -> onnxruntime.InferenceSession:
+    def _create(
+        self,
+        level: onnxruntime.GraphOptimizationLevel,
+        spinning: bool = False,
+        threads: int | None = None,
+    ) -> onnxruntime.InferenceSession:
+        """`spinning`, `threads` (None: torch's intra-op thread count): the thread settings that
+        `benchmarks/overhead.py --spinning` compares; lazygrad uses the defaults."""
         options = onnxruntime.SessionOptions()
         # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
         # back as exceptions that the runtime explains; printed as well, they would mislead.
@@ -64,8 +79,13 @@ class GraphSession:
         options.enable_cpu_mem_arena = False
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
-        # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the
+        # BERT-shaped step with AdamW 1.26x slower spinning, benchmarks/results/overhead.md).
+        options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
+        # ORT and torch take turns on the same cores, so ORT uses as many threads as torch
+        # does: `torch.set_num_threads` sets both (on a shared machine, 1 thread each was the
+        # faster BERT-shaped step in that measurement).
+        options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
         providers = _providers(self.device)
         try:
             return onnxruntime.InferenceSession(
@@ -75,51 +95,118 @@ class GraphSession:
         except Exception as error:  # e.g. no kernel for an op at this dtype on this device
             raise GraphRunError(f"ORT cannot load the graph on {self.device}: {error}") from error
 
-    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Run with `feeds` (name -> tensor on this session's device); outputs in graph order."""
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run on `inputs` (in graph input order, on this session's device); outputs in graph
+        order."""
         try:
-            return _to_tensors(self._run(feeds))
+            return self._binding().run(inputs)
         except _MissingOutput:
             # A fusion we have not met yet dropped a requested output: fall back, for good, to
             # the basic optimisation level, which does no fusions.
             self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC)
             try:
-                return _to_tensors(self._run(feeds))
+                return self._binding().run(inputs)
             except _MissingOutput as missing:
                 name = self.output_names[missing.index]
                 raise GraphRunError(f"ORT produced no tensor for output '{name}'") from None
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> ort_c.OrtValueVector:
-        binding = ort_c.SessionIOBinding(self._session._sess)
-        for name in self.input_names:
-            binding.bind_ortvalue_input(name, self._ortvalue(name, feeds[name]))
-        for name in self.output_names:
-            binding.bind_output(name, self._output_device)
-        if self.device.type == "cuda":
-            binding.synchronize_inputs()
-        started = time.perf_counter()
-        try:
-            self._session._sess.run_with_iobinding(binding, None)
-        except Exception as error:  # ORT's own exception types, re-raised with the graph named
-            raise GraphRunError(str(error)) from error
-        if self.device.type == "cuda":
-            binding.synchronize_outputs()
-        clock.add_ort(time.perf_counter() - started)
-        return binding.get_outputs()
+    def _binding(self) -> _Binding:
+        """This thread's binding (an IOBinding is not safe to share between threads)."""
+        binding = getattr(self._bindings, "current", None)
+        if binding is None or binding.session is not self._session:
+            binding = self._bindings.current = _Binding(self, self._session)
+        return binding
 
-    def _ortvalue(self, name: str, tensor: torch.Tensor) -> ort_c.OrtValue:
-        if name not in self._persistent:
-            return _to_ortvalue(tensor)
-        if not tensor.is_contiguous():
-            return _to_ortvalue(tensor)  # a contiguous copy: it would not see later updates
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        cached = self._ortvalues.get(name)
-        # Same tensor, same storage: the OrtValue still aliases it (in-place updates included).
-        if cached is not None and cached[0] is tensor and cached[1] == key:
-            return cached[2]
-        value = _to_ortvalue(tensor)
-        self._ortvalues[name] = (tensor, key, value)
-        return value
+
+class _Binding:
+    """One thread's IOBinding of a session, reused call after call.
+
+    Module state stays bound between calls: its OrtValue aliases the parameter's storage, so an
+    optimizer's in-place update needs nothing, and it is made and bound again only when the
+    tensor's storage moved (`p.data = ...`) or it is no longer contiguous. A call's own inputs and
+    the outputs are bound for the call and released after it (the inputs by binding a
+    placeholder, or by clearing every input where the call's own inputs are the most): the
+    binding keeps no tensor of a call alive, so a backward's saved activations are freed when
+    its run ends.
+    """
+
+    def __init__(self, owner: GraphSession, session: onnxruntime.InferenceSession) -> None:
+        self.session = session
+        self._run = session._sess.run_with_iobinding
+        self._io = ort_c.SessionIOBinding(session._sess)
+        self._names = owner.input_names
+        self._state_at = owner.state_at
+        self._call_at = owner.call_at
+        self._outputs = owner.output_names
+        self._output_device = owner.output_device
+        self._placeholder = owner.placeholder
+        self._cuda = owner.device.type == "cuda"
+        self._clear_all = len(self._call_at) > len(self._state_at)
+        # per state input: ((data_ptr, shape, dtype), OrtValue) of the tensor last bound
+        self._state: list[tuple[tuple, ort_c.OrtValue] | None] = [None] * len(self._state_at)
+        self._pointers: list[int] = []
+        self._state_bound = False
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        io, names = self._io, self._names
+        try:
+            self._bind_state(inputs)
+            for position in self._call_at:
+                io.bind_ortvalue_input(names[position], _to_ortvalue(inputs[position]))
+            for name in self._outputs:
+                io.bind_output(name, self._output_device)
+            if self._cuda:
+                io.synchronize_inputs()
+            started = time.perf_counter()
+            try:
+                self._run(io, None)
+            except Exception as error:  # ORT's own exception types, re-raised with the graph named
+                raise GraphRunError(str(error)) from error
+            if self._cuda:
+                io.synchronize_outputs()
+            clock.add_ort(time.perf_counter() - started)
+            # Adopted by torch before the release: `get_outputs` is a view of the binding's own.
+            return _to_tensors(io.get_outputs())
+        finally:
+            self._release()
+
+    def _bind_state(self, inputs: Sequence[torch.Tensor]) -> None:
+        tensors = list(map(inputs.__getitem__, self._state_at))
+        # Same storage, still contiguous: the OrtValues bound still alias the tensors (their
+        # shapes and dtypes are the session's contract). Checked in two C-level passes: this
+        # runs every call, for every parameter.
+        pointers = list(map(torch.Tensor.data_ptr, tensors))
+        io, names, state = self._io, self._names, self._state
+        if pointers == self._pointers and all(map(torch.Tensor.is_contiguous, tensors)):
+            if not self._state_bound:  # cleared after the last run: bind the same values again
+                for slot, position in enumerate(self._state_at):
+                    io.bind_ortvalue_input(names[position], state[slot][1])  # type: ignore[index]
+                self._state_bound = True
+            return
+        for slot, position in enumerate(self._state_at):
+            tensor = tensors[slot]
+            if not tensor.is_contiguous():
+                # A contiguous copy, made every call: it would not see later in-place updates.
+                state[slot] = None
+                pointers[slot] = -1  # no tensor's: the next call binds this slot again
+                io.bind_ortvalue_input(names[position], _to_ortvalue(tensor))
+                continue
+            key = (pointers[slot], tensor.shape, tensor.dtype)
+            if state[slot] is None or state[slot][0] != key:
+                state[slot] = (key, _to_ortvalue(tensor))
+            io.bind_ortvalue_input(names[position], state[slot][1])
+        self._pointers = pointers
+        self._state_bound = True
+
+    def _release(self) -> None:
+        io = self._io
+        io.clear_binding_outputs()  # the outputs now belong to torch alone
+        if self._clear_all:
+            io.clear_binding_inputs()
+            self._state_bound = False
+            return
+        for position in self._call_at:
+            io.bind_ortvalue_input(self._names[position], self._placeholder)
 
 
 def _providers(device: torch.device) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -31,18 +32,16 @@ class TensorMeta(NamedTuple):
     small_sizes: tuple[int, ...]
 
 
-class StateMeta(NamedTuple):
-    dtype: torch.dtype
-    shape: torch.Size
-    device: torch.device
-    requires_grad: bool
+# A state tensor's part of the key: (dtype, shape, device, requires_grad), read in one C call.
+StateMeta = tuple[torch.dtype, torch.Size, torch.device, bool]
+state_meta = operator.attrgetter("dtype", "shape", "device", "requires_grad")
 
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
     modes: tuple  # plain attributes of every submodule, its train/eval flag among them
     grad: bool  # autograd records this call (grad mode on and something requires grad)
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # the trace records autocast's casts
+    autocast: tuple[tuple[str, bool, torch.dtype | None], ...]  # the trace records its casts
     structure: pytree.TreeSpec
     tensors: tuple[TensorMeta, ...]
     constants: tuple[Hashable, ...]
@@ -140,32 +139,57 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     )
 
 
-def state_meta(tensor: torch.Tensor) -> StateMeta:
-    return StateMeta(tensor.dtype, tensor.shape, tensor.device, tensor.requires_grad)
-
-
 def signature_of(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> Signature:
-    constants = tuple(
-        _hashable(leaf, i)
-        for i, leaf in enumerate(call.leaves)
-        if not isinstance(leaf, torch.Tensor)
+    return Signature(*_parts(call, state, modes))
+
+
+class LastSignature:
+    """One module's last signature, returned again while none of its parts changed.
+
+    A training loop calls with one signature step after step. A new `Signature` costs hashing
+    its modes and argument structure, and then each cache lookup compares it field by field;
+    instead this call's parts (dtypes, shapes, devices, requires_grad, grad mode, autocast,
+    constants: everything a signature holds) are compared with the last call's, the modes and
+    the structure by identity first (`ModuleState` and `flatten_call` hand back the same
+    objects while unchanged), and the last object is returned, so lookups hit on identity.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple, Signature] | None = None
+
+    def of(self, call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> Signature:
+        parts = _parts(call, state, modes)
+        last = self._last
+        if last is not None and last[0] == parts:
+            return last[1]
+        signature = Signature(*parts)
+        self._last = (parts, signature)
+        return signature
+
+
+def _parts(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> tuple:
+    """The fields of the call's `Signature`, in order (`shapes` left out)."""
+    leaves = call.leaves
+    constants = () if len(call.tensor_positions) == len(leaves) else tuple(
+        _hashable(leaf, i) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
     )
-    tensors = tuple(tensor_meta(t) for t in call.tensors)
-    states = tuple(state_meta(t) for t in state.values())
+    tensors = tuple(map(tensor_meta, call.tensors))
+    states = tuple(map(state_meta, state.values()))
     grad = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in tensors) or any(t.requires_grad for t in states)
+        any(map(_requires_grad, tensors)) or any(map(_requires_grad, states))
     )
-    return Signature(
-        modes=modes,
-        grad=grad,
-        autocast=tuple(
-            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            for device in ("cpu", "cuda")
-        ),
-        structure=call.structure,
-        tensors=tensors,
-        constants=constants,
-        state=states,
+    return (modes, grad, _autocast(), call.structure, tensors, constants, states)
+
+
+_requires_grad = operator.itemgetter(3)  # of a TensorMeta and of a state's meta
+
+
+def _autocast() -> tuple[tuple[str, bool, torch.dtype | None], ...]:
+    """Per device: whether autocast is on, and its dtype (None while off: not traced then)."""
+    cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+    return (
+        ("cpu", cpu, torch.get_autocast_dtype("cpu") if cpu else None),
+        ("cuda", cuda, torch.get_autocast_dtype("cuda") if cuda else None),
     )
 
 

@@ -55,21 +55,22 @@ class Step:
         self, primals: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         pair = self.pair
+        draws: list[torch.Tensor] = []
         if pair.graphs.draws:
             self._generator_state = generator_state(self.device)
-        draws = pair.draw(self.env, self.device)
+            draws = pair.draw(self.env, self.device)
         results = pair.forward(primals, draws, self.device)
         outputs = pair.outputs(results, self.env)
-        kept_primals = list(primals)
-        for result, primal in pair.graphs.mutations:
+        kept_primals = list(primals) if pair.graphs.mutations else primals
+        for _, primal in pair.graphs.mutations:
             # A rerun of the forward must read what this one read, not the updated value.
-            kept_primals[primal] = primals[primal].detach().clone()
-            with torch.no_grad():
-                primals[primal].copy_(results[result])
-        read = sorted(pair.outputs_read_by_backward)
+            kept_primals[primal] = primals[primal].detach().clone()  # type: ignore[index]
+        pair.write_back(primals, results)
+        read = pair.outputs_read_by_backward
         self._layout = (len(primals), len(draws), read)
-        self._output_types = [(o.shape, o.dtype) for o in outputs]
-        return outputs, [*kept_primals, *draws, *(results[i] for i in read)]
+        if self.policy == "all":  # zeros of these are fed for outputs without a gradient
+            self._output_types = [(o.shape, o.dtype) for o in outputs]
+        return outputs, [*kept_primals, *draws, *map(results.__getitem__, read)]
 
     def backward(
         self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
