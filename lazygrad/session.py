@@ -80,11 +80,13 @@ class GraphSession:
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
         # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the
-        # BERT-shaped step with AdamW 1.26x slower spinning, benchmarks/results/overhead.md).
+        # BERT-shaped step with AdamW 1.11x slower spinning, 1.26-1.47x on a busier machine:
+        # benchmarks/results/overhead.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
         # ORT and torch take turns on the same cores, so ORT uses as many threads as torch
-        # does: `torch.set_num_threads` sets both (on a shared machine, 1 thread each was the
-        # faster BERT-shaped step in that measurement).
+        # does, and `torch.set_num_threads` sets both (the same two threads as ORT's default
+        # here; one thread made that step 1.51x slower, faster only while others loaded the
+        # machine).
         options.intra_op_num_threads = torch.get_num_threads() if threads is None else threads
         providers = _providers(self.device)
         try:
