@@ -128,7 +128,7 @@ def measure(blocks: int, calls: int = 200) -> Overhead:
     the second is ORT's first run of it.
     """
     torch.manual_seed(0)
-    model = lazygrad.lazy(ThreeHeadMLP()).eval()
+    model = lazygrad.lazy(ThreeHeadMLP(), wait_for_builds=True).eval()
     x = torch.randn(6, 16)
     with torch.no_grad():
         model(x)
@@ -210,7 +210,7 @@ def spinning(rounds: int, composition: str = "loss") -> dict[str, tuple[float, f
 
     runs: dict[str, Callable[[int], None]] = {"eager": runner(workload.model())}
     for name, (spin, threads) in SETTINGS.items():
-        model = lazygrad.lazy(workload.model())
+        model = lazygrad.lazy(workload.model(), wait_for_builds=True)
         runs[name] = runner(model)
         for index in range(workload.settle):
             runs[name](index)
