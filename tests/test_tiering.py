@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_close, assert_grads_equal, ran_through_ort
+from test_graph_breaks import Noisy
 
 import lazygrad
 import lazygrad.runtime as runtime
@@ -86,18 +87,6 @@ def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
         assert ran_through_ort(out)
     stats = lazygrad.stats(lazy)
     assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
-
-
-class Noisy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(6, 6)
-        self.b = torch.nn.Linear(6, 2)
-        self.drop = torch.nn.Dropout(0.3)
-
-    def forward(self, x):
-        h = self.drop(torch.tanh(self.a(x)))
-        return self.b(h), h.sum(-1)
 
 
 def test_a_new_mask_at_backward_is_served_eagerly_with_the_steps_draws_while_it_builds(
