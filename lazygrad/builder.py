@@ -5,13 +5,14 @@ inside a backward, and with another thread's backward running at the same time A
 process-global node-metadata bookkeeping broke ("Expected current_level > 0"). On a thread of
 its own the trace never nests in an autograd call, and traces never overlap.
 
-The thread is a daemon: a process that ends while a build runs ends at once (a build is
-seconds of work whose result would be thrown away; the on-disk cache writes atomically), where
-a `ThreadPoolExecutor` would make the interpreter wait for it at exit.
+At exit, builds still queued are dropped and the one running is waited for: a daemon thread
+torn down inside ORT or torch's native code aborted the process ("terminate called without an
+active exception"), and a `ThreadPoolExecutor` would run every queued build first.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import queue
@@ -28,19 +29,31 @@ _jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = 
 )
 _started = threading.Lock()
 _thread: threading.Thread | None = None
+_idle = threading.Lock()  # held while a build runs
+_closing = threading.Event()
 
 
 def _work() -> None:
     while True:
         build, future = _jobs.get()
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            result = build()
-        except BaseException as error:  # handed to whoever waits on the future
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+        with _idle:
+            if _closing.is_set():
+                future.cancel()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = build()
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+@atexit.register
+def _close() -> None:
+    _closing.set()
+    with _idle:  # the running build ends; queued ones are cancelled
+        pass
 
 
 def submit(build: Callable[[], T]) -> concurrent.futures.Future[T]:

@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     config = BertConfig(vocab=2000, hidden=128, layers=2, heads=4)
     eager = BertPretraining(config)
-    model = lazygrad.lazy(copy.deepcopy(eager), policy=args.policy)
+    # A short demo waits for each build, so its steps show the graphs in use; by default a
+    # step that needs new graphs runs eagerly while they build in the background.
+    model = lazygrad.lazy(copy.deepcopy(eager), policy=args.policy, wait_for_builds=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
     batches = [bert_batch(config, batch=8, seq=32, seed=s) for s in range(4)]
 

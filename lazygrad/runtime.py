@@ -384,7 +384,7 @@ class Runtime:
         signature, mask = key
         with self._lock:
             self._building.pop(key, None)
-            if generation != self._generation:
+            if generation != self._generation or done.cancelled():  # cleared, or at exit
                 return
             failure = done.exception()
             if failure is None:

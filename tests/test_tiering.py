@@ -192,13 +192,16 @@ def test_clear_cache_while_a_build_runs_drops_what_it_brings(monkeypatch):
     assert ran_through_ort(out)
 
 
-def test_the_process_exits_at_once_while_a_build_runs(tmp_path):
+def test_a_process_that_ends_while_a_build_runs_exits_cleanly(tmp_path):
+    """The running build ends (a real one, in ORT and torch's native code), queued ones are
+    dropped, and the process exits with status 0, never aborted."""
     script = textwrap.dedent("""
-        import time, torch, lazygrad
-        import lazygrad.runtime as runtime
-        runtime.capture = lambda *a, **k: time.sleep(120)  # a build that never ends in time
-        model = lazygrad.lazy(torch.nn.Linear(4, 4), wait_for_builds=False)
-        model(torch.randn(2, 4)).sum().backward()  # queues the build; returns at once
+        import torch, lazygrad
+        from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
+        models = [lazygrad.lazy(BertPretraining(BertConfig()), wait_for_builds=False)
+                  for _ in range(2)]
+        for model in models:
+            model(*bert_batch(BertConfig()))[0].backward()  # queues its build; returns at once
         print("stepped", flush=True)
     """)
     env = dict(os.environ, LAZYGRAD_CACHE_DIR=str(tmp_path), LAZYGRAD_WAIT_FOR_BUILDS="0")
@@ -206,3 +209,4 @@ def test_the_process_exits_at_once_while_a_build_runs(tmp_path):
                           timeout=90, env=env)
     assert done.returncode == 0, done.stderr
     assert "stepped" in done.stdout and "Traceback" not in done.stderr
+    assert "terminate called" not in done.stderr
