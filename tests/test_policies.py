@@ -147,3 +147,36 @@ def test_dropout_under_a_seed_drops_what_eager_drops(policy):
             assert_close(p.grad, q.grad, f"step {step} grad of {name}")
     assert type(out.grad_fn).__name__ == "LazyFunctionBackward"
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+class Scaled(torch.nn.Module):
+    """A tensor made in the forward (`torch.tensor(...)`) is a constant of the traced graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * torch.tensor([1.0, 2.0, 3.0]), y.sum()
+
+
+@pytest.mark.parametrize("policy", ["predict", "all", "recompute"])
+def test_tensor_constants_of_the_forward_reach_every_policy_backward(policy):
+    torch.manual_seed(0)
+    eager = Scaled()
+    model = lazygrad.lazy(copy.deepcopy(eager), policy=policy, strict=True)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        scaled, total = model(x)
+        expected_scaled, expected_total = eager(x)
+        assert_close(scaled, expected_scaled, "scaled")
+        assert_close(total, expected_total, "total")
+        (scaled.square().sum() + total).backward()
+        (expected_scaled.square().sum() + expected_total).backward()
+        for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+            assert_close(param.grad, expected.grad, name)
+    stats = lazygrad.stats(model)
+    assert stats.fallbacks == 0 and stats.hits == 1

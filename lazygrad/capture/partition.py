@@ -9,6 +9,8 @@ Random ops are lifted out first (draws.py), so both graphs read the same draws a
 from __future__ import annotations
 
 import dataclasses
+import operator
+from typing import Any
 
 import torch.fx as fx
 
@@ -70,10 +72,29 @@ def _recomputing(
     }
     graph.output(graph.graph_copy(backward.graph, backward_env))
     graph.eliminate_dead_code()
-    recomputing = fx.GraphModule(backward, graph)
+    # The recomputed forward reads the forward's tensor constants (get_attr), the rest reads
+    # the backward's: the new module takes each from the graph that owns it.
+    constants = {
+        node.target: _attribute(forward, node.target) if _has_attribute(forward, node.target)
+        else _attribute(backward, node.target)
+        for node in graph.nodes if node.op == "get_attr"
+    }
+    recomputing = fx.GraphModule(constants, graph, class_name=type(backward).__name__)
 
     output = output_node(forward)
     output.args = (tuple(output.args[0][:num_forward_outputs]),)
     forward.graph.eliminate_dead_code()
     forward.recompile()
     return forward, recomputing
+
+
+def _attribute(module: fx.GraphModule, target: str) -> Any:
+    return operator.attrgetter(target)(module)
+
+
+def _has_attribute(module: fx.GraphModule, target: str) -> bool:
+    try:
+        _attribute(module, target)
+    except AttributeError:
+        return False
+    return True
