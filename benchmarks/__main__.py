@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from benchmarks import fresh, overhead, peers, report
+from benchmarks.ortmodule import measure as ortmodule
 from benchmarks.peers import COMPILE, EAGER, LAZY, LAZY_ALL
 from benchmarks.timing import Samples, interleave, paired_ratio
 from benchmarks.workloads import (
@@ -221,6 +222,54 @@ def run(
     return rows, builds, cost
 
 
+ORTMODULE = "ORTModule"
+
+
+def ortmodule_rows(plan: Plan, say: Progress) -> tuple[list[report.Row], dict[str, str]]:
+    """ORTModule on workloads 1 and 2, each group in one process of its own environment; its
+    x eager is against eager PyTorch of that environment, measured interleaved there."""
+    rows, versions = [], {}
+    bert = [f"bert {c}" for c in plan.compositions]
+    for group, rounds in ((bert, plan.rounds), ([MOE.name], plan.moe_steps // 4)):
+        figures, versions = ortmodule.measure(group, rounds)
+        for name, found in figures.items():
+            rows.append(report.Row(workload=name, peer=ORTMODULE, median_s=found.median_s,
+                                   ratio=found.ratio, first_step_s=found.first_step_s))
+            say(f"ORTModule      {name:<20} median {found.median_s * 1e3:7.1f} ms  "
+                f"{found.ratio:5.2f}x its eager, first step {found.first_step_s:.2f} s "
+                f"(its eager's {found.eager_first_step_s:.2f} s)")
+    return rows, versions
+
+
+def against_ortmodule(rows: list[report.Row]) -> str:
+    """Issue 11's target: lazygrad's x eager at most 0.7 of ORTModule's x its eager."""
+    theirs = {row.workload: row.ratio for row in rows if row.peer == ORTMODULE}
+    pairs = [
+        f"{row.workload} {row.ratio / theirs[row.workload]:.2f}"
+        for row in rows if row.peer == LAZY and row.workload in theirs
+    ]
+    return ("lazygrad's x eager / ORTModule's x its eager (target <= 0.70): " + ", ".join(pairs)
+            + ".")
+
+
+def ortmodule_notes(rows: list[report.Row], versions: dict[str, str]) -> list[str]:
+    if not versions:
+        return [
+            "ORTModule was not measured: its environment is missing (it needs torch 2.4; "
+            "`bash benchmarks/ortmodule/make_env.sh` makes it, about 5 GB)."
+        ]
+    return [
+        f"ORTModule (onnxruntime-training {versions['onnxruntime-training']}, torch "
+        f"{versions['torch']}, Python {versions['python']}) ran in its own environment "
+        "(`benchmarks/ortmodule/make_env.sh`), in a fresh subprocess per workload group, on the "
+        "same models and losses: its x eager is against eager PyTorch of that environment, "
+        "interleaved round by round there as here, after the same warm-up steps; first step s is "
+        "its first call and backward in that process (export, gradient graph, sessions). Its "
+        "median step is not comparable with this environment's peers (another torch).",
+        against_ortmodule(rows),
+    ]
+
+
 def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load: str) -> list[str]:
     """How every figure was measured, and under which conditions: the reader's key to the tables."""
     settle = WORKLOADS["bert loss"].settle
@@ -306,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress()
     load_before = f"{os.getloadavg()[0]:.1f}"
     rows, builds, cost = run(plan, say)
+    theirs, versions = ortmodule_rows(plan, say)
+    rows += theirs
     load = f"{load_before} at start, {os.getloadavg()[0]:.1f} at end"
     seconds = time.perf_counter() - say.start
-    text = report.markdown(rows, notes(plan, args.quick, cost, seconds, load), builds)
+    described = notes(plan, args.quick, cost, seconds, load) + ortmodule_notes(rows, versions)
+    text = report.markdown(rows, described, builds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     report.plot(rows, args.out / "steps.png")
