@@ -122,6 +122,7 @@ class Runtime:
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
         self._warned_stale = False  # graphs on disk that no longer match the code: warned once
+        self._distrusted: set[str] = set()  # index keys whose records proved stale (`_stale`)
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -522,7 +523,7 @@ class Runtime:
         """At a signature's first call: if the index knows it (what the entry holds, and the
         graphs of the mask its first step planned for in the process that built them), make
         its entry and pair from there, so this call runs through ORT. False: not known."""
-        record = self._disk.read_record(key)
+        record = None if key in self._distrusted else self._disk.read_record(key)
         if record is None or record["state_names"] != list(state):
             return False
         try:
@@ -561,6 +562,9 @@ class Runtime:
         (tests and benchmarks rely on it); only the export and the check are saved. Otherwise
         the pair serves steps at once and the trace runs on the builder thread meanwhile."""
         if self._disk is None or entry.index_key is None:
+            return None
+        if entry.index_key in self._distrusted:  # built anew, and the record written again
+            self._disk.drop_record(pair_key(entry.index_key, mask))
             return None
         record = self._disk.read_record(pair_key(entry.index_key, mask))
         graphs = self._disk.load(record["graphs"]) if record else None
@@ -621,8 +625,10 @@ class Runtime:
                reason: str) -> None:
         """Graphs the index named are not the module's: drop the signature (its entry came
         from the index too) and the records, and warn once. Its next call is a first call, as
-        in a process without the index, and its builds write new records."""
+        in a process without the index, and its builds write new records. The records of its
+        other masks are stale too, likely: this process no longer reads them."""
         with self._lock:
+            self._distrusted.add(entry.index_key)
             if self._entries.get(signature) is entry:
                 del self._entries[signature]
             for key in [k for k in self._pairs if k[0] == signature]:
