@@ -579,8 +579,11 @@ class Runtime:
             with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
                 structure = _structure_copy(self.module)
         if structure is None:
+            # Detached, as a build's primals are: the fake copy of a tensor holding a `.grad`
+            # converts the gradient too, which renumbers the trace's size symbols (its key).
+            detached = [p.detach().requires_grad_(p.requires_grad) for p in primals]
             reason = builder.run(lambda: self._confirm(
-                signature, entry, mask, primals, self.module, expected))
+                signature, entry, mask, detached, self.module, expected))
             if reason is not None:
                 self._stale(signature, entry, mask, reason)
                 return None
