@@ -5,6 +5,10 @@ content hash of the traced (tidied) FX graphs plus everything else the ONNX grap
 (policy, library versions). Each file carries a SHA-256 of its payload; a file that fails the
 check is deleted and rebuilt, never used. Writes go to a temporary file in the same folder and
 are renamed into place, so a reader sees the old file, the new one, or none.
+
+Beside the graphs, the folder holds the disk index's records (`*.index`, checksummed JSON): per
+signature, what serving it needs without a first eager call, and per (signature, mask), the key
+of its graphs, so a new process finds them without tracing (keys: `index_key.py`).
 """
 
 from __future__ import annotations
