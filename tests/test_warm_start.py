@@ -168,3 +168,35 @@ def test_a_stale_index_warns_drops_and_rebuilds(tmp_path, wait):
     assert_like_eager(again)
     assert again["warnings"] == [] and again["stats"]["builds"] == 0
     assert all(step["ort"] for step in again["steps"])
+
+
+def _key(model, *inputs):
+    from lazygrad.index_key import index_key
+    from lazygrad.module_state import ModuleState
+    from lazygrad.signature import flatten_call, signature_of
+
+    state, modes = ModuleState(model).read()
+    return index_key(model, signature_of(flatten_call(inputs, {}), state, modes), list(state))
+
+
+def test_the_index_key_is_the_same_for_equal_models_and_none_where_it_cannot_be_sure():
+    import dataclasses
+
+    from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
+
+    config = BertConfig(vocab=50, hidden=8, layers=1, heads=2)
+    batch = bert_batch(config, batch=2, seq=4)
+    model = BertPretraining(config)
+    key = _key(model, *batch)
+    assert key is not None and key == _key(BertPretraining(config), *batch)  # weights aside
+    model.pooler.config = config  # an object: hashed through its __dict__
+    with_config = _key(model, *batch)
+    assert with_config not in (None, key)
+    model.pooler.config = dataclasses.replace(config, dropout=0.1)
+    assert _key(model, *batch) not in (None, with_config)
+    scale = 2.0
+    model.pooler.scale = lambda x: x * scale  # a closure: its behaviour cannot be hashed
+    assert _key(model, *batch) is None
+    assert _key(BertPretraining(config), *bert_batch(config, batch=2, seq=5)) == _key(
+        BertPretraining(config), *bert_batch(config, batch=3, seq=6))  # sizes are symbols
+    assert _key(BertPretraining(config).eval(), *batch) != key
