@@ -73,19 +73,24 @@ def _fresh_runs(plan: Plan, names: list[str], say: Progress) -> dict[tuple[str, 
 
     Every peer runs workload 1's compositions in turn on one model in one process, as it does in
     the interleaved run: for lazygrad a later composition's first step is the miss that builds
-    its mask. Workload 2 gets a process of its own.
+    its mask. Workload 2 gets a process of its own. lazygrad's peers run each group twice, the
+    second process on the disk cache the first one filled.
     """
     groups = [[MOE.name]]
     if plan.fresh_bert:
         groups.insert(0, [f"bert {c}" for c in plan.compositions])
     found = {}
     for peer in names:
+        measure = fresh.measure_twice if peer in (LAZY, LAZY_ALL) else fresh.measure
         for group in groups:
-            for result in fresh.measure(peer, group):
+            for result in measure(peer, group):
                 found[(result.workload, peer)] = result
+                warm = result.warm
                 say(
                     f"fresh process  {peer:<14} {result.workload:<20} first step "
                     f"{result.first_step_s:6.2f} s  peak {result.peak_mib:5.0f} MiB"
+                    + (f"  warm cache: first step {warm.first_step_s:6.2f} s "
+                       f"{'through ORT' if warm.through_ort else 'eager'}" if warm else "")
                 )
     return found
 
@@ -116,6 +121,8 @@ def _rows(
                 steps_per_s=len(times) / sum(times) if with_throughput else None,
                 first_step_s=cold.first_step_s if cold else None,
                 ready_s=cold.ready_s if cold else None,
+                warm_first_step_s=cold.warm.first_step_s if cold and cold.warm else None,
+                warm_through_ort=cold.warm.through_ort if cold and cold.warm else None,
                 peak_mib=cold.peak_mib if cold else None,
                 exports=built.exports,
                 builds=built.builds,
@@ -304,7 +311,11 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
         "and its backward: for lazygrad an eager step that queues the graph build of its mask "
         "(trace, export, check) on the builder thread, as a user gets it (graphs ready s: from "
         "that step's start until its graphs are built; steps before then run eagerly), for "
-        "torch.compile tracing and compilation (inductor cache in a new directory). Peak: the "
+        "torch.compile tracing and compilation (inductor cache in a new directory). First step "
+        "s, warm cache: lazygrad only, a second fresh process of the same workloads on the disk "
+        "cache the first one filled (the first ran on an empty one): its first step, and whether "
+        "it ran through ORT (no eager step: its graphs came from the disk index, confirmed by a "
+        "trace on the builder thread meanwhile). Peak: the "
         "process's peak resident set (VmHWM, reset after the warm-up "
         "steps) over one cycle of steady steps, minus the resident set after the model was built; "
         "glibc returns large blocks on free (MALLOC_MMAP_THRESHOLD_=256 KiB). It counts "
@@ -312,7 +323,8 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
         "the pairs of every composition run so far).",
         "exports / builds / hit rate: lazygrad.stats over the phase, warm-up included; a build "
         "is one (signature, mask) pair traced, exported and checked; lazygrad's on-disk graph "
-        "cache is off (LAZYGRAD_CACHE_DIR=''), so every graph is built. torch.compile: builds = "
+        "cache is off here (LAZYGRAD_CACHE_DIR=''; the fresh processes use one of their own), so "
+        "every graph is built. torch.compile: builds = "
         "graphs dynamo compiled in the phase.",
         "Build table: per pair a lazygrad model built during a workload-1 phase, the seconds of "
         "each stage (lazygrad.stats(model).entries[i].phases: trace = AOTAutograd on fake "

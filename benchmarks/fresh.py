@@ -10,6 +10,9 @@ workload's settling steps) minus the resident size after the model was built, i.
 the model costs beyond holding its weights: activations or stashed intermediates, gradients,
 workspaces, arenas, cached graphs. glibc is told to return large blocks to the system on free
 (MALLOC_MMAP_THRESHOLD_), so memory freed after the export does not count as held.
+
+lazygrad also runs a second process on the disk cache the first one filled (`measure_twice`): a
+second process of the same training, which serves its signatures from the disk index.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 
 MMAP_THRESHOLD = str(256 * 1024)
@@ -33,18 +37,21 @@ class Fresh:
     first_step_s: float
     peak_mib: float
     ready_s: float | None = None  # lazygrad: from the first step's start to its graphs ready
+    through_ort: bool | None = None  # lazygrad: the first step ran no eager step
+    warm: Fresh | None = None  # lazygrad: the same in a second process, on a warm disk cache
 
 
-def measure(peer: str, workloads: list[str]) -> list[Fresh]:
+def measure(peer: str, workloads: list[str], cache: str = "") -> list[Fresh]:
     """Run `workloads` in turn on one model of `peer` in a new process.
 
     One model across several workloads lets torch.compile and eager share one process (their
     memory is torch's and is given back between workloads); the first workload's first step is
-    the only cold one then.
+    the only cold one then. `cache`: lazygrad's disk cache (LAZYGRAD_CACHE_DIR; "": none).
     """
     spec = json.dumps({"peer": peer, "workloads": workloads})
     # lazygrad as a user gets it: a step that needs graphs runs eagerly while they build.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, LAZYGRAD_WAIT_FOR_BUILDS="0")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD, LAZYGRAD_WAIT_FOR_BUILDS="0",
+               LAZYGRAD_CACHE_DIR=cache)
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.fresh", spec],
         env=env,
@@ -55,6 +62,15 @@ def measure(peer: str, workloads: list[str]) -> list[Fresh]:
     if done.returncode != 0:
         raise RuntimeError(f"fresh run of {peer} on {workloads} failed:\n{done.stderr[-3000:]}")
     return [Fresh(**row) for row in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def measure_twice(peer: str, workloads: list[str]) -> list[Fresh]:
+    """`measure` on an empty disk cache, then again in a second process on the cache the first
+    one filled: the first process's rows, each holding the second's (`warm`)."""
+    with tempfile.TemporaryDirectory(prefix="bench-lazygrad-cache-") as cache:
+        cold = measure(peer, workloads, cache)
+        warm = measure(peer, workloads, cache)
+    return [dataclasses.replace(c, warm=w) for c, w in zip(cold, warm, strict=True)]
 
 
 def _status_mib(field: str) -> float:
@@ -82,10 +98,13 @@ def _run(peer: str, workload_names: list[str]) -> list[Fresh]:
     results = []
     for workload in workloads:
         step = workload.step(model)
+        lazy = peer in (peers.LAZY, peers.LAZY_ALL)
+        eager_steps = lazygrad.stats(model).eager_steps if lazy else 0
         started = time.perf_counter()
         first = timed(lambda step=step: step(0))
-        ready = None
-        if peer in (peers.LAZY, peers.LAZY_ALL):
+        ready = through_ort = None
+        if lazy:
+            through_ort = lazygrad.stats(model).eager_steps == eager_steps
             lazygrad.wait_for_builds(model)
             ready = time.perf_counter() - started
         for index in range(1, workload.settle):
@@ -93,7 +112,8 @@ def _run(peer: str, workload_names: list[str]) -> list[Fresh]:
         _reset_peak()
         for index in range(workload.settle, workload.settle + workload.cycle):
             step(index)
-        results.append(Fresh(workload.name, first, _status_mib("VmHWM") - resting, ready))
+        results.append(Fresh(workload.name, first, _status_mib("VmHWM") - resting, ready,
+                             through_ort))
     return results
 
 

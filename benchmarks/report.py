@@ -20,6 +20,10 @@ class Row:
     steps_per_s: float | None = None  # over every step of the phase, rebuilds included
     first_step_s: float | None = None  # fresh process: export, build, session creation, compile
     ready_s: float | None = None  # fresh process, lazygrad: first step's start to graphs ready
+    # lazygrad: a second fresh process on the disk cache the first filled: its first step, and
+    # whether that step ran through ORT (no eager step)
+    warm_first_step_s: float | None = None
+    warm_through_ort: bool | None = None
     peak_mib: float | None = None  # fresh process: peak RSS over steady steps above resting
     exports: int | None = None
     builds: int | None = None
@@ -43,7 +47,7 @@ class BuildRow:
 
 HEADER = (
     "workload", "peer", "median step ms", "x eager", "steps/s", "first step s",
-    "graphs ready s", "peak MiB", "exports", "builds", "hit rate",
+    "graphs ready s", "first step s, warm cache", "peak MiB", "exports", "builds", "hit rate",
 )
 PHASES = ("trace", "export", "check")
 BUILD_HEADER = (
@@ -88,11 +92,18 @@ def cells(row: Row) -> list[str]:
         _cell(row.steps_per_s, ".1f"),
         _cell(row.first_step_s, ".2f"),
         _cell(row.ready_s, ".1f"),
+        _warm_cell(row),
         _cell(row.peak_mib, ".0f"),
         _cell(row.exports, "d"),
         _cell(row.builds, "d"),
         _cell(row.hit_rate, ".1%"),
     ]
+
+
+def _warm_cell(row: Row) -> str:
+    if row.warm_first_step_s is None:
+        return MISSING
+    return f"{row.warm_first_step_s:.2f} ({'ORT' if row.warm_through_ort else 'eager'})"
 
 
 def mask_text(mask: tuple[bool, ...]) -> str:

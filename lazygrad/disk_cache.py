@@ -5,6 +5,10 @@ content hash of the traced (tidied) FX graphs plus everything else the ONNX grap
 (policy, library versions). Each file carries a SHA-256 of its payload; a file that fails the
 check is deleted and rebuilt, never used. Writes go to a temporary file in the same folder and
 are renamed into place, so a reader sees the old file, the new one, or none.
+
+Beside the graphs, the folder holds the disk index's records (`*.index`, checksummed JSON): per
+signature, what serving it needs without a first eager call, and per (signature, mask), the key
+of its graphs, so a new process finds them without tracing (keys: `index_key.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
 MAGIC = b"LAZYGRAD-GRAPHS-5\n"
+INDEX_MAGIC = b"LAZYGRAD-INDEX-1\n"
 _DEFAULT = Path(__file__).resolve().parent.parent / "cache"
 
 
@@ -63,19 +68,51 @@ class DiskCache:
 
     def store(self, key: str, graphs: Graphs) -> None:
         """Write atomically; a cache that cannot be written is skipped, never fatal."""
+        self._write(self._path(key), _encode(graphs))
+
+    # ---- the index: signature-level records naming graphs (`index_key.py`) ------------------
+
+    def _record_path(self, key: str) -> Path:
+        return self.directory / f"{key}.index"
+
+    def read_record(self, key: str) -> dict | None:
+        """The index record, or None if absent or damaged (a damaged one is removed)."""
+        path = self._record_path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        body = data[len(INDEX_MAGIC):]
+        checksum, payload = body[:32], body[32:]
+        if not data.startswith(INDEX_MAGIC) or hashlib.sha256(payload).digest() != checksum:
+            path.unlink(missing_ok=True)
+            return None
+        return json.loads(payload)
+
+    def write_record(self, key: str, record: dict) -> None:
+        payload = json.dumps(record).encode()
+        self._write(self._record_path(key),
+                    INDEX_MAGIC + hashlib.sha256(payload).digest() + payload)
+
+    def drop_record(self, key: str) -> None:
+        self._record_path(key).unlink(missing_ok=True)
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write to a temporary file in the folder, then rename: readers never see a torn file.
+        A cache that cannot be written is skipped, never fatal."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             descriptor, temporary = tempfile.mkstemp(
-                dir=self.directory, prefix=f".{key}.", suffix=".tmp"
+                dir=self.directory, prefix=f".{path.name}.", suffix=".tmp"
             )
         except OSError:
             return
         try:
             with os.fdopen(descriptor, "wb") as handle:
-                handle.write(_encode(graphs))
+                handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(temporary, self._path(key))
+            os.replace(temporary, path)
         except OSError:
             Path(temporary).unlink(missing_ok=True)
 

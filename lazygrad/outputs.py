@@ -25,6 +25,8 @@ PLAIN = (
     torch.Size,
 )
 
+_JSON = (type(None), bool, int, float, str)  # kept exactly by a JSON round trip
+
 
 def tensors_of(result: Any) -> list[torch.Tensor]:
     """Every tensor of `result`, in the order the graphs return them."""
@@ -61,6 +63,30 @@ class OutputTemplate:
         held = [_held(leaf, set()) for leaf in leaves]
         slots = [_rebuilt(leaf, iter([_SLOT] * len(h))) for leaf, h in zip(leaves, held)]
         return cls(structure, slots), [t for h in held for t in h]
+
+    def to_json(self) -> dict | None:
+        """The template as plain data, for the disk index; None where it has no plain form
+        (a namedtuple or container type without a serialized name, an object among the
+        results, a value JSON does not keep as it is)."""
+        leaves: list[list[Any]] = []
+        for leaf in self.leaves:
+            if leaf is _SLOT:
+                leaves.append(["tensor"])
+            elif type(leaf) in _JSON:
+                leaves.append(["value", leaf])
+            else:
+                return None
+        try:
+            structure = pytree.treespec_dumps(self.structure)
+        except (NotImplementedError, TypeError, ValueError):
+            return None
+        return {"structure": structure, "leaves": leaves}
+
+    @classmethod
+    def from_json(cls, data: dict) -> OutputTemplate:
+        """The template `to_json` gave (raises where this process cannot rebuild it)."""
+        leaves = [_SLOT if leaf[0] == "tensor" else leaf[1] for leaf in data["leaves"]]
+        return cls(pytree.treespec_loads(data["structure"]), leaves)
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         if self.plain_tuple:

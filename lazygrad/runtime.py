@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from lazygrad import attach, builder, clock, disk_cache
-from lazygrad.capture import CaptureError, capture, export, functional, unchanged
+from lazygrad.capture import Captured, CaptureError, capture, export, functional, unchanged
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.function import LazyFunction, MaskProbe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
+from lazygrad.index_key import index_key, pair_key
 from lazygrad.module_state import ModuleState
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, tensors_of
@@ -78,6 +79,7 @@ class SignatureEntry:
     differentiable: Mask  # per flat tensor output: eager's requires_grad
     state_names: list[str]
     plan: Mask | None = None  # the mask the forward stashes for; None until a backward
+    index_key: str | None = None  # its records in the disk index (None: it has none)
 
 
 @dataclasses.dataclass
@@ -119,6 +121,8 @@ class Runtime:
         self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
+        self._warned_stale = False  # graphs on disk that no longer match the code: warned once
+        self._distrusted: set[str] = set()  # index keys whose records proved stale (`_stale`)
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -220,7 +224,10 @@ class Runtime:
             # Its own forward in eager PyTorch; its parts' calls reach their runtimes.
             return self.forward_fn(self.module, *args, **kwargs)
         if found is None:
-            return self._first_call(signature, call, state, args, kwargs)
+            key = self._index_key(signature, state) if entry is None else None
+            if key is not None and self._serve_from_index(signature, call, state, key):
+                return self._call(signature, call, state, args, kwargs)
+            return self._first_call(signature, call, state, args, kwargs, key)
         primals = [*state.values(), *call.tensors]
         pair = found.pair
         env = pair.sizes(primals)
@@ -270,9 +277,11 @@ class Runtime:
         return pair.outputs(results, env)
 
     def _first_call(
-        self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
+        self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict,
+        key: str | None,
     ) -> Any:
-        """Run eagerly; remember the signature; build now (inference) or at backward."""
+        """Run eagerly; remember the signature; build now (inference) or at backward. `key`:
+        its records in the disk index, written when its graphs are built."""
         result = self._eager_or_explain(args, kwargs, call)
         try:
             template, tensors = OutputTemplate.of(result)
@@ -288,6 +297,7 @@ class Runtime:
                     template=template,
                     differentiable=tuple(t.requires_grad for t in tensors),
                     state_names=list(state),
+                    index_key=key,
                 )
         primals = [*state.values(), *call.tensors]
         device = _common_device(entry.state_names, primals)
@@ -355,6 +365,9 @@ class Runtime:
                 return None
             if mask is not None:
                 self.stats.misses += 1
+            indexed = self._pair_from_index(signature, entry, mask, primals, device)
+            if indexed is not None:
+                return indexed
             structure = None
             if not (self.options.wait_for_builds or self.options.strict):
                 with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
@@ -397,13 +410,15 @@ class Runtime:
         else:  # a bug of ours, never a wrong step: that signature stays eager, with the reason
             self._give_up(signature, f"the build failed: {type(failure).__name__}: {failure}")
 
-    def _add(self, key: tuple[Signature, Mask | None], built: PairEntry) -> None:
+    def _add(self, key: tuple[Signature, Mask | None], built: PairEntry,
+             traced: bool = True) -> None:
+        """`traced` False: served from the disk index (not an export of the signature)."""
         with self._lock:
             if built.stats.from_disk:
                 self.stats.disk_hits += 1
             else:
                 self.stats.builds += 1
-            if not any(s == key[0] for s, _ in self._pairs):
+            if traced and not any(s == key[0] for s, _ in self._pairs):
                 self.stats.exports += 1
             self._pairs[key] = built
 
@@ -452,6 +467,24 @@ class Runtime:
         module: torch.nn.Module,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
+        captured, key = self._trace(signature, entry, mask, primals, module)
+        graphs = self._disk.load(key) if self._disk else None
+        if graphs is not None:
+            self._index(entry, mask, key)
+            return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
+        graphs = export(captured)
+        pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
+        checked = time.perf_counter()
+        verify(captured, pair, primals, cotangents, device)
+        graphs.seconds["check"] = time.perf_counter() - checked
+        if self._disk:
+            self._disk.store(key, graphs)
+            self._index(entry, mask, key)
+        return pair, False
+
+    def _trace(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
+               primals: list[torch.Tensor], module: torch.nn.Module) -> tuple[Captured, str]:
+        """The captured graphs and their key in the disk cache (a content hash of them)."""
         with builder.autocast(signature.autocast):
             captured = capture(
                 module,
@@ -472,19 +505,164 @@ class Runtime:
                 "the trace and eager PyTorch disagree on which outputs carry a gradient "
                 f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
             )
-        key = captured.fingerprint(mask, self.options.policy == "recompute",
-                                   disk_cache.versions())
-        graphs = self._disk.load(key) if self._disk else None
-        if graphs is not None:
-            return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
-        graphs = export(captured)
+        return captured, captured.fingerprint(mask, self.options.policy == "recompute",
+                                              disk_cache.versions())
+
+    # ---- the disk index: a new process serves known signatures without tracing -------------
+
+    def _index_key(self, signature: Signature, state: dict) -> str | None:
+        """The signature's key in the disk index (`index_key.py`); None without a disk cache or
+        where something cannot be hashed deterministically (then it has no index records)."""
+        if self._disk is None:
+            return None
+        return index_key(self.module, signature, list(state), self.options.policy,
+                         disk_cache.versions())
+
+    def _serve_from_index(self, signature: Signature, call: FlatCall, state: dict,
+                          key: str) -> bool:
+        """At a signature's first call: if the index knows it (what the entry holds, and the
+        graphs of the mask its first step planned for in the process that built them), make
+        its entry and pair from there, so this call runs through ORT. False: not known."""
+        record = None if key in self._distrusted else self._disk.read_record(key)
+        if record is None or record["state_names"] != list(state):
+            return False
+        try:
+            template = OutputTemplate.from_json(record["template"])
+        except Exception:  # a structure this process cannot rebuild: a miss, never an error
+            return False
+        entry = SignatureEntry(
+            id=f"s{next(self._ids)}",
+            call=call.without_tensors(),
+            template=template,
+            differentiable=tuple(record["differentiable"]),
+            state_names=list(state),
+            plan=None if record["plan"] is None else tuple(record["plan"]),
+            index_key=key,
+        )
+        primals = [*state.values(), *call.tensors]
+        device = _common_device(entry.state_names, primals)
+        with self._lock:  # held until the entry is in place: a confirmation may drop it
+            if signature in self._entries:  # another thread's first call came first
+                return True
+            if self._pair_from_index(signature, entry, entry.plan, primals, device) is None:
+                return False
+            self._entries[signature] = entry
+        return True
+
+    def _pair_from_index(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
+                         primals: list[torch.Tensor], device: torch.device) -> GraphPair | None:
+        """The pair the disk index names for (signature, mask), loaded without a trace; None if
+        the index or the graphs are missing. Called under the lock.
+
+        The index key hashes the module's code, but code can depend on files it does not hash,
+        so each served pair is confirmed by tracing once and comparing the traced graphs' key
+        with the one the index named (`_confirm`); a mismatch drops the signature's graphs
+        (`_stale`). Waiting for builds (`Options.wait_for_builds`, strict), the trace runs before
+        the pair serves a step, so steps are exactly those of a process without the index
+        (tests and benchmarks rely on it); only the export and the check are saved. Otherwise
+        the pair serves steps at once and the trace runs on the builder thread meanwhile."""
+        if self._disk is None or entry.index_key is None:
+            return None
+        if entry.index_key in self._distrusted:  # built anew, and the record written again
+            self._disk.drop_record(pair_key(entry.index_key, mask))
+            return None
+        record = self._disk.read_record(pair_key(entry.index_key, mask))
+        graphs = self._disk.load(record["graphs"]) if record else None
+        if graphs is None:
+            return None
+        expected = record["graphs"]
         pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
-        checked = time.perf_counter()
-        verify(captured, pair, primals, cotangents, device)
-        graphs.seconds["check"] = time.perf_counter() - checked
-        if self._disk:
-            self._disk.store(key, graphs)
-        return pair, False
+        key = (signature, mask)
+        served = PairEntry(pair, EntryStats(mask=mask, forward=entry.id, from_disk=True))
+        structure = None
+        if not (self.options.wait_for_builds or self.options.strict):
+            with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
+                structure = _structure_copy(self.module)
+        if structure is None:
+            # Detached, as a build's primals are: the fake copy of a tensor holding a `.grad`
+            # converts the gradient too, which renumbers the trace's size symbols (its key).
+            detached = [p.detach().requires_grad_(p.requires_grad) for p in primals]
+            reason = builder.run(lambda: self._confirm(
+                signature, entry, mask, detached, self.module, expected))
+            if reason is not None:
+                self._stale(signature, entry, mask, reason)
+                return None
+            self._add(key, served, traced=False)
+            return pair
+        self._add(key, served, traced=False)
+        snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
+        generation = self._generation
+        future = builder.submit(lambda: self._confirm(
+            signature, entry, mask, snapshot, structure, expected))
+        self._building[key] = future
+        future.add_done_callback(lambda done: self._confirmed(key, entry, generation, done))
+        return pair
+
+    def _confirm(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
+                 primals: list[torch.Tensor], module: torch.nn.Module,
+                 expected: str) -> str | None:
+        """Trace the call and compare: None if the traced graphs are those the index named,
+        else why not."""
+        try:
+            _, key = self._trace(signature, entry, mask, primals, module)
+        except CaptureError as error:
+            return f"the module no longer traces: {error}"
+        if key != expected:
+            return f"the trace gives graphs {key[:12]}, the index named {expected[:12]}"
+        return None
+
+    def _confirmed(self, key: tuple[Signature, Mask | None], entry: SignatureEntry,
+                   generation: int, done: concurrent.futures.Future) -> None:
+        """A background confirmation ended; a `clear` since then makes it moot."""
+        with self._lock:
+            self._building.pop(key, None)
+            if generation != self._generation or done.cancelled():
+                return
+        failure = done.exception()
+        reason = (done.result() if failure is None
+                  else f"the confirming trace failed: {type(failure).__name__}: {failure}")
+        if reason is not None:
+            self._stale(key[0], entry, key[1], reason)
+
+    def _stale(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
+               reason: str) -> None:
+        """Graphs the index named are not the module's: drop the signature (its entry came
+        from the index too) and the records, and warn once. Its next call is a first call, as
+        in a process without the index, and its builds write new records. The records of its
+        other masks are stale too, likely: this process no longer reads them."""
+        with self._lock:
+            self._distrusted.add(entry.index_key)
+            if self._entries.get(signature) is entry:
+                del self._entries[signature]
+            for key in [k for k in self._pairs if k[0] == signature]:
+                self._pairs.pop(key, None)
+            warn, self._warned_stale = not self._warned_stale, True
+        self._disk.drop_record(pair_key(entry.index_key, mask))
+        self._disk.drop_record(entry.index_key)
+        if warn:
+            warnings.warn(
+                f"lazygrad: graphs on disk no longer match the module's code ({reason}): "
+                f"{type(self.module).__name__} drops them and their index records, and builds "
+                "this input signature again",
+                FallbackWarning,
+                stacklevel=2,
+            )
+
+    def _index(self, entry: SignatureEntry, mask: Mask | None, graphs_key: str) -> None:
+        """Record in the disk index that (signature, mask) has the graphs `graphs_key`, and,
+        once, what serving the signature needs without its first (eager) call: its output
+        template, which outputs carry gradients, its state names and this mask as its plan."""
+        if entry.index_key is None:
+            return
+        self._disk.write_record(pair_key(entry.index_key, mask), {"graphs": graphs_key})
+        template = entry.template.to_json()
+        if template is not None and self._disk.read_record(entry.index_key) is None:
+            self._disk.write_record(entry.index_key, {
+                "template": template,
+                "differentiable": list(entry.differentiable),
+                "state_names": entry.state_names,
+                "plan": mask,
+            })
 
     def _count_recompute(self) -> None:
         with self._lock:

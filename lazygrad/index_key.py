@@ -1,0 +1,206 @@
+"""The disk index's key: a hash of everything that decides what a trace produces, without tracing.
+
+A new process that has to trace before it can look its graphs up (the traced graphs are the
+disk cache's key) runs its first steps in eager PyTorch for seconds. What a trace produces is
+decided by the module's code, its structure, its non-tensor attributes, the call's signature,
+the policy and the library versions; all of these can be read and hashed in milliseconds, so
+they key an index record naming the graphs an earlier process built (`Runtime` serves them at
+once, and confirms them by tracing in the background).
+
+The code is hashed as the source files of every class in the module tree (each class's MRO up to
+`torch.nn.Module`) and of every function held as an attribute, with the version of the package
+each comes from. Code elsewhere (a helper module the forward imports) is not hashed: the trace
+that confirms a served pair catches a change there. Every value is hashed deterministically
+(the same bytes in every process) or not at all: a value that cannot be (a closure, a bound
+method, an object without `__dict__`) makes the key None, and that signature gets no index.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import inspect
+import sys
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from lazygrad import attach
+
+# A module's `__dict__` entries that are not hashed as values: its tensors and submodules
+# (hashed as structure, or by the signature), hooks that never run in a forward, and lazygrad's
+# own entries (an instance `forward` routing to its runtime).
+_SKIPPED = frozenset({
+    "_parameters", "_buffers", "_modules", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", attach.RUNTIME, "forward",
+})
+_BUDGET = 200_000  # values hashed per key at most: a huge attribute gets no index, not a slow call
+
+
+class Unhashable(Exception):
+    """A value with no deterministic hash: the signature gets no index record."""
+
+
+def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str],
+              *parts: Any) -> str | None:
+    """The key of a signature's index record, or None if something cannot be hashed
+    deterministically. `parts`: the options that change the graphs, and the versions."""
+    hasher = _Hasher(module)
+    try:
+        for name, submodule in module.named_modules(remove_duplicate=False):
+            hasher.feed(("module", name, *_code(type(submodule))))
+            hasher.feed((list(submodule._parameters), list(submodule._buffers)))
+            hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED})
+        hasher.feed(list(state_names))
+        hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
+                     signature.state, signature.shapes, parts))
+        hasher.feed_structure(signature.structure)
+    except Unhashable:
+        return None
+    return hasher.digest.hexdigest()
+
+
+def pair_key(key: str, mask: tuple[bool, ...] | None) -> str:
+    """The key of the index record of one (signature, mask)."""
+    return hashlib.sha256(repr((key, mask)).encode()).hexdigest()
+
+
+def _code(cls: type) -> list[tuple[str, str | None, str]]:
+    """(qualified class name, its package's version, its source file's hash) along the MRO."""
+    found = []
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module:
+            break
+        found.append((f"{klass.__module__}.{klass.__qualname__}", _version(klass.__module__),
+                      _source_hash(klass)))
+    return found
+
+
+def _version(module_name: str) -> str | None:
+    package = sys.modules.get(module_name.partition(".")[0])
+    version = getattr(package, "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _source_hash(thing: Any) -> str:
+    try:
+        path = inspect.getsourcefile(thing)
+    except TypeError:  # a builtin
+        path = None
+    if path is None:
+        raise Unhashable(f"no source file for {thing!r}")
+    return _file_hash(path)
+
+
+@functools.cache
+def _file_hash(path: str) -> str:
+    """Read once per process: the code that runs is the code that was loaded."""
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+    except OSError as error:
+        raise Unhashable(str(error)) from error
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes, complex)
+_NAMED = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
+
+
+class _Hasher:
+    """Feeds values into one SHA-256, each tagged with its type so no two values collide."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.digest = hashlib.sha256()
+        self._budget = _BUDGET
+        self._seen: dict[int, int] = {}  # id -> order of first visit: a back-reference
+        self._held: list[Any] = []  # keeps the ids above unique while hashing
+        self._modules = {id(m): name for name, m in root.named_modules()}
+
+    def _put(self, *items: Any) -> None:
+        self._budget -= 1
+        if self._budget < 0:
+            raise Unhashable("too many values")
+        self.digest.update(repr(items).encode())
+        self.digest.update(b"\0")
+
+    def feed(self, value: Any) -> None:
+        kind = type(value)
+        if isinstance(value, enum.Enum):
+            self._put("enum", _name(kind))
+            self.feed(value.value)
+        elif isinstance(value, _PLAIN) or kind in _NAMED:
+            # A subclass of a plain type (torch's version string) by its plain value.
+            self._put(_name(kind), value if kind in _PLAIN else str(value))
+        elif isinstance(value, type):
+            self._put("type", _name(value))
+        elif isinstance(value, types.BuiltinFunctionType):
+            self._put("builtin", value.__module__, value.__qualname__)
+        elif isinstance(value, torch.nn.Module):
+            if id(value) not in self._modules:
+                raise Unhashable("a module outside the tree")
+            self._put("submodule", self._modules[id(value)])
+        elif isinstance(value, torch.Tensor):
+            plain = value.detach().cpu().contiguous()
+            self._put("tensor", str(plain.dtype), tuple(plain.shape))
+            self.digest.update(plain.view(-1).view(torch.uint8).numpy().tobytes())
+        elif id(value) in self._seen:
+            self._put("seen", self._seen[id(value)])
+        else:
+            self._seen[id(value)] = len(self._seen)
+            self._held.append(value)
+            self._feed_container(value)
+
+    def _feed_container(self, value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            self._put(_name(type(value)), len(value))
+            for item in value:
+                self.feed(item)
+        elif isinstance(value, dict):
+            self._put(_name(type(value)), len(value))
+            for key, item in value.items():
+                self.feed(key)
+                self.feed(item)
+        elif isinstance(value, (set, frozenset)) and all(type(v) in _PLAIN for v in value):
+            self._put("set", sorted(map(repr, value)))
+        elif isinstance(value, types.FunctionType):
+            if value.__closure__ is not None:
+                raise Unhashable(f"a closure: {value.__qualname__}")
+            self._put("function", value.__module__, value.__qualname__,
+                      value.__code__.co_firstlineno, _source_hash(value))
+            self.feed((value.__defaults__, value.__kwdefaults__))
+        elif _python_object(value):
+            cls = type(value)
+            self._put("object", _name(cls), _version(cls.__module__), _source_hash(cls))
+            self.feed(vars(value))
+        else:
+            raise Unhashable(f"a {type(value).__name__}")
+
+    def feed_structure(self, spec: pytree.TreeSpec) -> None:
+        """A call's argument structure: node types, contexts (dict keys, field names), leaves."""
+        if spec.is_leaf():
+            self._put("leaf")
+            return
+        self._put("node", _name(spec.type), len(spec.children()))
+        self.feed(spec.context)
+        for child in spec.children():
+            self.feed_structure(child)
+
+
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a class written in C, not Python
+
+
+def _python_object(value: Any) -> bool:
+    """Whether the object's state is its `__dict__`: an instance of classes written in Python
+    (a C class such as `functools.partial` keeps its state elsewhere)."""
+    return hasattr(value, "__dict__") and not any(
+        klass.__flags__ & _IMMUTABLE_TYPE for klass in type(value).__mro__[:-1]
+    )
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+

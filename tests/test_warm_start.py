@@ -1,0 +1,202 @@
+"""A second process of the same training, with the disk cache warm, runs through ORT from its
+first step (the disk index), and an index that no longer matches the code is never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MASKS = [(True, False, True), (True, False, True), (False, True, False), (True, False, True)]
+
+# One training in a child process: the lazy model and its eager twin (same weights, same inputs)
+# step through MASKS; per step, whether ORT ran it and the largest relative error of outputs
+# and gradients against eager's; then the statistics and the warnings seen. `settle`: wait for
+# the builds (and confirmations) after the first step.
+TRAINING = textwrap.dedent(
+    """
+    import copy, json, sys, warnings
+    import torch, lazygrad
+    from conftest import lazy_copy, ran_through_ort, relative_error
+    warnings.simplefilter("always")
+    {model}
+    masks = {masks}
+    lazy, eager = lazy_copy(model), copy.deepcopy(model)
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, mask in enumerate(masks):
+            torch.manual_seed(index)
+            got, expected = lazy(*inputs), eager(*inputs)
+            cotangents = [torch.randn_like(o) for o in expected]
+            for module, outputs in ((lazy, got), (eager, expected)):
+                module.zero_grad(set_to_none=True)
+                sum((o * c).sum() for o, c, bit in zip(outputs, cotangents, mask) if bit).backward()
+            errors = [relative_error(g, e) for g, e in zip(got, expected)]
+            for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if q.grad is not None:
+                    errors.append(relative_error(p.grad, q.grad))
+            steps.append({{"ort": ran_through_ort(got), "error": max(errors)}})
+            if index == 0 and {settle}:
+                lazygrad.wait_for_builds(lazy)
+        lazygrad.wait_for_builds(lazy)
+    stats = lazygrad.stats(lazy)
+    print(json.dumps({{
+        "steps": steps,
+        "stats": {{k: getattr(stats, k) for k in
+                  ("builds", "exports", "disk_hits", "eager_steps", "fallbacks", "breaks")}},
+        "sources": ["disk" if e.from_disk else "built" for e in stats.entries],
+        "warnings": [str(w.message) for w in caught
+                     if issubclass(w.category, lazygrad.FallbackWarning)],
+    }}))
+    """
+)
+BERT = """
+from conftest import MODEL_CASES
+model, inputs = MODEL_CASES["bert"]()
+"""
+
+
+def train(cache: Path, model: str, wait: bool = False, settle: bool = False,
+          path: Path | None = None) -> dict:
+    """Run TRAINING in a new process on the disk cache `cache`; its report."""
+    env = dict(
+        os.environ,
+        LAZYGRAD_CACHE_DIR=str(cache),
+        LAZYGRAD_WAIT_FOR_BUILDS="1" if wait else "0",
+        # this checkout's lazygrad, the tests' helpers, and `path` (a model module of a test)
+        PYTHONPATH=os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", path) if p),
+    )
+    script = TRAINING.format(model=model, masks=MASKS, settle=settle)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def assert_like_eager(report: dict) -> None:
+    for index, step in enumerate(report["steps"]):
+        assert step["error"] <= 1e-5, f"step {index}: relative error {step['error']:.2e}"
+
+
+def test_a_second_process_runs_through_ort_from_its_first_step(tmp_path):
+    cache = tmp_path / "cache"
+    first = train(cache, BERT)
+    assert_like_eager(first)
+    assert not first["steps"][0]["ort"]  # no graphs yet: eager while they build
+    assert first["stats"]["builds"] == 2  # the two masks
+    second = train(cache, BERT)
+    assert_like_eager(second)
+    assert all(step["ort"] for step in second["steps"]), second["steps"]
+    assert second["stats"] == {"builds": 0, "exports": 0, "disk_hits": 2, "eager_steps": 0,
+                               "fallbacks": 0, "breaks": 0}
+    assert second["sources"] == ["disk", "disk"]
+    assert second["warnings"] == []  # both pairs confirmed by their background traces
+
+
+MODULE = """
+import torch
+from torch import nn
+
+from factor import FACTOR
+
+SCALE = {scale}
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x)) * SCALE * FACTOR
+        return self.a(h), self.b(h), h.sum()
+"""
+TWO_HEADS = """
+from two_heads import TwoHeads
+torch.manual_seed(0)
+model, inputs = TwoHeads(), (torch.randn(4, 8),)
+"""
+
+
+def write_model(folder: Path, scale: float, factor: float) -> Path:
+    """The model's class in `two_heads.py`, which reads FACTOR from `factor.py`."""
+    folder.mkdir(exist_ok=True)
+    (folder / "two_heads.py").write_text(MODULE.format(scale=scale))
+    (folder / "factor.py").write_text(f"FACTOR = {factor}\n")
+    return folder
+
+
+def test_a_changed_source_file_misses_the_index(tmp_path):
+    cache = tmp_path / "cache"
+    code = write_model(tmp_path / "code", scale=2.0, factor=1.0)
+    first = train(cache, TWO_HEADS, path=code)
+    assert first["stats"]["builds"] == 2
+    write_model(code, scale=3.0, factor=1.0)  # the class's own file changed
+    changed = train(cache, TWO_HEADS, path=code)
+    assert_like_eager(changed)
+    assert not changed["steps"][0]["ort"]  # the index missed: eager while building
+    assert (changed["stats"]["builds"], changed["stats"]["disk_hits"]) == (2, 0)
+    assert changed["warnings"] == []
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["waiting", "tiered"])
+def test_a_stale_index_warns_drops_and_rebuilds(tmp_path, wait):
+    """A constant changed in a file the index key does not hash (`factor.py`, which the class's
+    file imports): the index still names the old graphs, and the trace that confirms them
+    disagrees."""
+    cache = tmp_path / "cache"
+    code = write_model(tmp_path / "code", scale=2.0, factor=1.0)
+    first = train(cache, TWO_HEADS, path=code)
+    assert first["stats"]["builds"] == 2
+    write_model(code, scale=2.0, factor=1.5)
+    # Tiered, the first step is served before its background trace disagrees (the price of
+    # not waiting): its results are not compared; the steps after the trace are.
+    stale = train(cache, TWO_HEADS, wait=wait, settle=True, path=code)
+    assert len(stale["warnings"]) == 1, stale["warnings"]
+    assert "graphs on disk no longer match the module's code" in stale["warnings"][0]
+    assert_like_eager(stale if wait else {"steps": stale["steps"][1:]})
+    assert (stale["stats"]["builds"], stale["stats"]["fallbacks"]) == (2, 0)
+    again = train(cache, TWO_HEADS, path=code)  # the records the rebuilds wrote are right
+    assert_like_eager(again)
+    assert again["warnings"] == [] and again["stats"]["builds"] == 0
+    assert all(step["ort"] for step in again["steps"])
+
+
+def _key(model, *inputs):
+    from lazygrad.index_key import index_key
+    from lazygrad.module_state import ModuleState
+    from lazygrad.signature import flatten_call, signature_of
+
+    state, modes = ModuleState(model).read()
+    return index_key(model, signature_of(flatten_call(inputs, {}), state, modes), list(state))
+
+
+def test_the_index_key_is_the_same_for_equal_models_and_none_where_it_cannot_be_sure():
+    import dataclasses
+
+    from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
+
+    config = BertConfig(vocab=50, hidden=8, layers=1, heads=2)
+    batch = bert_batch(config, batch=2, seq=4)
+    model = BertPretraining(config)
+    key = _key(model, *batch)
+    assert key is not None and key == _key(BertPretraining(config), *batch)  # weights aside
+    model.pooler.config = config  # an object: hashed through its __dict__
+    with_config = _key(model, *batch)
+    assert with_config not in (None, key)
+    model.pooler.config = dataclasses.replace(config, dropout=0.1)
+    assert _key(model, *batch) not in (None, with_config)
+    scale = 2.0
+    model.pooler.scale = lambda x: x * scale  # a closure: its behaviour cannot be hashed
+    assert _key(model, *batch) is None
+    assert _key(BertPretraining(config), *bert_batch(config, batch=2, seq=5)) == _key(
+        BertPretraining(config), *bert_batch(config, batch=3, seq=6))  # sizes are symbols
+    assert _key(BertPretraining(config).eval(), *batch) != key
