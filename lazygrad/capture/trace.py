@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad.capture import draws, lowerings, private, symbols
+from lazygrad.capture import draws, grouped_mm, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -69,15 +69,22 @@ def decompositions() -> dict:
 
 
 _REGISTRY = None
+_REGISTERED: set[str] = set()  # lazygrad's own translations in the registry (grouped_mm.py)
+_registry_lock = threading.Lock()
 
 
 def onnx_registry() -> Any:
+    """torchlib's translations, plus grouped matmul's (grouped_mm.py): those of a library's
+    custom ops join once the library has defined them, so each call looks again."""
     global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
-            opset_version=private.onnx_constants.TORCHLIB_OPSET
-        )
-    return _REGISTRY
+    with _registry_lock:
+        if _REGISTRY is None:
+            _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
+                opset_version=private.onnx_constants.TORCHLIB_OPSET
+            )
+        if len(_REGISTERED) <= len(grouped_mm.LIBRARY_OPS):
+            grouped_mm.register(_REGISTRY, _REGISTERED)
+        return _REGISTRY
 
 
 def fake_primals(
