@@ -75,13 +75,17 @@ _registry_lock = threading.Lock()
 
 def onnx_registry() -> Any:
     """torchlib's translations, plus grouped matmul's (grouped_mm.py): those of a library's
-    custom ops join once the library has defined them, so each call looks again."""
+    custom ops join once the library has defined them, so each call looks again. And
+    `sort.stable` (lowerings.stable_sort) with torchlib's `sort`: ONNX's TopK, which breaks
+    ties by index, is a stable sort."""
     global _REGISTRY
     with _registry_lock:
         if _REGISTRY is None:
             _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
                 opset_version=private.onnx_constants.TORCHLIB_OPSET
             )
+            (sort,) = _REGISTRY.get_decomps(aten.sort.default)
+            _REGISTRY.register_op(aten.sort.stable, sort.onnx_function)
         if len(_REGISTERED) <= len(grouped_mm.LIBRARY_OPS):
             grouped_mm.register(_REGISTRY, _REGISTERED)
         return _REGISTRY
