@@ -130,7 +130,8 @@ def _row_groups(x: Any, weight: Any, offs: Any, count: int) -> Any:
     rows = op.Shape(x, start=0, end=1)
     tail = op.Sub(rows, op.Slice(bounds, [count], [count + 1]))
     columns = op.Shape(weight, start=2, end=3)
-    zeros = op.Expand(op.CastLike(op.Constant(value_float=0.0), x), op.Concat(tail, columns, axis=0))
+    zero = op.CastLike(op.Constant(value_float=0.0), x)
+    zeros = op.Expand(zero, op.Concat(tail, columns, axis=0))
     return op.Concat(*blocks, zeros, axis=0)
 
 
