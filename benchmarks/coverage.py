@@ -1,10 +1,10 @@
 """How much of a Mixture-of-Experts LM runs through ONNX Runtime (`python -m benchmarks.coverage`).
 
 Hugging Face MoE LMs from small configs (random weights, no download): Mixtral and OLMoE with
-transformers' default experts implementation (its `grouped_mm` op has no ONNX translation: the
-model runs in parts, the experts in eager PyTorch), and Mixtral with `batched_mm` experts
-(data-independent: captured whole). Per model: the share of the forward+backward wall time
-spent inside ORT's runs (`lazygrad.stats(model).ort_share`, measured around each run), the
+transformers' default experts implementation (its `grouped_mm` op, translated by
+`lazygrad/capture/grouped_mm.py`), and Mixtral with `batched_mm` experts (each token's expert
+weights gathered). All three are captured whole. Per model: the share of the forward+backward
+wall time spent inside ORT's runs (`lazygrad.stats(model).ort_share`, measured around each run), the
 steady step against eager (interleaved, median of per-round ratios), the graphs per part, and
 the reasons. The router's auxiliary loss joins every third step. Needs the `hf` extra.
 """
