@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -89,6 +90,7 @@ def main() -> int:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     details = []
+    load_at_start = os.getloadavg()[0]
     for kind, experts in (("mixtral", None), ("olmoe", None), ("mixtral", "batched_mm")):
         name, stats, ratio = measure(kind, experts)
         parts = stats.parts.values()
@@ -98,6 +100,8 @@ def main() -> int:
                      f"{graphs} | {eager} |")
         details += ["", f"## {name}", "", "```", str(stats), "```"]
         print(lines[-1], flush=True)
+    lines[2] += (f" Load average (1 min, shared 2-core machine): {load_at_start:.1f} at the "
+                 f"start, {os.getloadavg()[0]:.1f} at the end.")
     RESULTS.write_text("\n".join(lines + details) + "\n")
     print(f"wrote {RESULTS}")
     return 0
