@@ -24,6 +24,7 @@ before it serves a step (verify.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -31,13 +32,6 @@ import torch
 from onnxscript import opset18 as op
 
 aten = torch.ops.aten
-
-# Custom ops of libraries that lazygrad does not import: translated once they exist.
-LIBRARY_OPS = {
-    ("transformers", "grouped_mm_fallback"): lambda: grouped_mm_fallback,
-    ("transformers", "grouped_mm_fallback_backward"): lambda: grouped_mm_fallback_backward,
-}
-
 
 def register(registry: Any, registered: set[str]) -> None:
     """Add the translations that `registry` lacks and whose ops exist now to `registry`.
@@ -47,15 +41,16 @@ def register(registry: Any, registered: set[str]) -> None:
     import, possibly after the registry was made). `registered` holds the names done already.
     """
     if "aten::_grouped_mm" not in registered:
-        torchlib = [d.onnx_function for d in registry.get_decomps(aten._grouped_mm.default)]
-        registry.register_op(aten._grouped_mm.default, _aten_grouped_mm(torchlib[:1]))
+        torchlib = registry.get_decomps(aten._grouped_mm.default)
+        translation = _aten_grouped_mm(torchlib[0].onnx_function if torchlib else None)
+        registry.register_op(aten._grouped_mm.default, translation)
         registered.add("aten::_grouped_mm")
     for (namespace, name), translation in LIBRARY_OPS.items():
         if f"{namespace}::{name}" in registered:
             continue
         packet = getattr(getattr(torch.ops, namespace), name, None)
         if packet is not None:
-            registry.register_op(packet.default, translation())
+            registry.register_op(packet.default, translation)
             registered.add(f"{namespace}::{name}")
 
 
@@ -74,15 +69,23 @@ def grouped_mm_fallback_backward(input: Any, weight: Any, offs: Any, grad_output
     return grad_input, grad_weight
 
 
-def _aten_grouped_mm(torchlib: list) -> Any:
+# Custom ops of libraries that lazygrad does not import: translated once they exist.
+LIBRARY_OPS = {
+    ("transformers", "grouped_mm_fallback"): grouped_mm_fallback,
+    ("transformers", "grouped_mm_fallback_backward"): grouped_mm_fallback_backward,
+}
+
+
+def _aten_grouped_mm(torchlib: Callable | None) -> Callable:
     def aten_grouped_mm(
         self: Any, mat2: Any, offs: Any = None, bias: Any = None, out_dtype: int = -1
     ) -> Any:
         """aten::_grouped_mm with offsets: (S, K) x (G, K, N) groups the rows (the forward of
-        an MoE layer and its input gradient), (M, S) x (S, N) groups the inner dimension into
-        (G, M, N) (its weight gradient). Without offsets: torchlib's translation."""
-        if offs is None and torchlib:
-            return torchlib[0](self, mat2, offs, bias, out_dtype)
+        an MoE layer and its input gradient; rows past the last group, which torch's kernel
+        leaves unwritten, are zero), (M, S) x (S, N) groups the inner dimension into (G, M, N)
+        (its weight gradient). Without offsets: torchlib's translation."""
+        if offs is None and torchlib is not None:
+            return torchlib(self, mat2, offs, bias, out_dtype)
         if offs is None or bias is not None:
             raise NotImplementedError("_grouped_mm with a bias, or without offsets")
         ranks = (len(self.shape), len(mat2.shape))

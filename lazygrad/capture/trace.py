@@ -86,8 +86,7 @@ def onnx_registry() -> Any:
             )
             (sort,) = _REGISTRY.get_decomps(aten.sort.default)
             _REGISTRY.register_op(aten.sort.stable, sort.onnx_function)
-        if len(_REGISTERED) <= len(grouped_mm.LIBRARY_OPS):
-            grouped_mm.register(_REGISTRY, _REGISTERED)
+        grouped_mm.register(_REGISTRY, _REGISTERED)
         return _REGISTRY
 
 
