@@ -1,10 +1,10 @@
 """How much of a Mixture-of-Experts LM runs through ONNX Runtime (`python -m benchmarks.coverage`).
 
 Hugging Face MoE LMs from small configs (random weights, no download): Mixtral and OLMoE with
-transformers' default experts implementation (its `grouped_mm` op has no ONNX translation: the
-model runs in parts, the experts in eager PyTorch), and Mixtral with `batched_mm` experts
-(data-independent: captured whole). Per model: the share of the forward+backward wall time
-spent inside ORT's runs (`lazygrad.stats(model).ort_share`, measured around each run), the
+transformers' default experts implementation (its `grouped_mm` op, translated by
+`lazygrad/capture/grouped_mm.py`), and Mixtral with `batched_mm` experts (each token's expert
+weights gathered). All three are captured whole. Per model: the share of the forward+backward
+wall time spent inside ORT's runs (`lazygrad.stats(model).ort_share`, measured around each run), the
 steady step against eager (interleaved, median of per-round ratios), the graphs per part, and
 the reasons. The router's auxiliary loss joins every third step. Needs the `hf` extra.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -89,6 +90,7 @@ def main() -> int:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     details = []
+    load_at_start = os.getloadavg()[0]
     for kind, experts in (("mixtral", None), ("olmoe", None), ("mixtral", "batched_mm")):
         name, stats, ratio = measure(kind, experts)
         parts = stats.parts.values()
@@ -98,6 +100,8 @@ def main() -> int:
                      f"{graphs} | {eager} |")
         details += ["", f"## {name}", "", "```", str(stats), "```"]
         print(lines[-1], flush=True)
+    lines[2] += (f" Load average (1 min, shared 2-core machine): {load_at_start:.1f} at the "
+                 f"start, {os.getloadavg()[0]:.1f} at the end.")
     RESULTS.write_text("\n".join(lines + details) + "\n")
     print(f"wrote {RESULTS}")
     return 0

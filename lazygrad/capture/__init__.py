@@ -146,7 +146,7 @@ def export(captured: Captured) -> Graphs:
         backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
     except Exception as error:
         where = captured.untranslatable[0][1] if captured.untranslatable else None
-        raise CaptureError(f"ONNX export failed: {type(error).__name__}: {error}", where) from error
+        raise CaptureError(f"ONNX export failed: {_innermost(error)}", where) from error
     seconds = dict(captured.seconds, export=time.perf_counter() - started)
     return Graphs(
         forward=forward,
@@ -166,6 +166,18 @@ def export(captured: Captured) -> Graphs:
         differentiable=captured.differentiable,
         seconds=seconds,
     )
+
+
+def _innermost(error: BaseException) -> str:
+    """The exporter wraps a translation's error ("see the stack trace"): name the first cause
+    too, which says what the translation could not do."""
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = f"{type(error).__name__}: {error}"
+    if cause is not error:
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return text
 
 
 def _feeds_by_name(model: onnx.ModelProto, gm: fx.GraphModule, feeds: list[Feed]) -> list[Feed]:

@@ -8,8 +8,9 @@ transposed) into convolutions; avg_pool2d_backward (every ceil_mode, padding and
 transposed convolution; avg_pool2d with divisor_override (torchlib ignores the override) into a
 window sum; adaptive average pooling's backward into two matrix products; adaptive max pooling
 (torch decomposes only even windows) into masked maxima, its backward into a scatter-add;
-diagonal_scatter (torch's decomposition mutates) into a select; and an accumulating index_put,
-whose translation ONNX Runtime runs wrong, into scatter_add (`accumulate_rows`). Like
+diagonal_scatter (torch's decomposition mutates) into a select; an accumulating index_put,
+whose translation ONNX Runtime runs wrong, into scatter_add (`accumulate_rows`); and an
+unstable sort into the stable one (`stable_sort`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every graph
 built with them is checked against its FX graph (verify.py) before it serves a step.
 """
@@ -283,6 +284,19 @@ def accumulate_rows(
     return self.scatter_add(0, rows.reshape(-1, *([1] * len(tail))).expand(source.shape), source)
 
 
+def stable_sort(
+    self: torch.Tensor, dim: int = -1, descending: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort` (stable=False) as the stable sort, which is one of the orders it may return.
+
+    An unstable sort leaves the order of equal values open, and torch's CPU kernel and ONNX's
+    TopK (which breaks ties by index: stable) chose differently: a Mixture-of-Experts layer
+    sorting its rows by expert id got another permutation from ORT than from its FX graph,
+    and the check refused the graph. Sorted stably, both agree (the exporter's registry
+    translates `sort.stable` with torchlib's TopK, trace.onnx_registry)."""
+    return aten.sort.stable(self, stable=True, dim=dim, descending=descending)
+
+
 def _integral(tensor: torch.Tensor) -> bool:
     return not tensor.is_floating_point() and tensor.dtype != torch.bool
 
@@ -297,4 +311,5 @@ TABLE = {
     aten.diagonal_scatter.default: diagonal_scatter,
     aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+    aten.sort.default: stable_sort,
 }

@@ -51,6 +51,7 @@ for _name in (
     "torch.fx.experimental.symbolic_shapes",
     "torch._functorch",
     "torch.onnx._internal.exporter._registration",
+    "onnx_ir._convenience",  # "an empty sequence attribute defaults to INTS", per node
 ):
     logging.getLogger(_name).setLevel(logging.ERROR)
 

@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad.capture import draws, lowerings, private, symbols
+from lazygrad.capture import draws, grouped_mm, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -69,15 +69,25 @@ def decompositions() -> dict:
 
 
 _REGISTRY = None
+_REGISTERED: set[str] = set()  # lazygrad's own translations in the registry (grouped_mm.py)
+_registry_lock = threading.Lock()
 
 
 def onnx_registry() -> Any:
+    """torchlib's translations, plus grouped matmul's (grouped_mm.py): those of a library's
+    custom ops join once the library has defined them, so each call looks again. And
+    `sort.stable` (lowerings.stable_sort) with torchlib's `sort`: ONNX's TopK, which breaks
+    ties by index, is a stable sort."""
     global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
-            opset_version=private.onnx_constants.TORCHLIB_OPSET
-        )
-    return _REGISTRY
+    with _registry_lock:
+        if _REGISTRY is None:
+            _REGISTRY = private.onnx_registration.ONNXRegistry.from_torchlib(
+                opset_version=private.onnx_constants.TORCHLIB_OPSET
+            )
+            (sort,) = _REGISTRY.get_decomps(aten.sort.default)
+            _REGISTRY.register_op(aten.sort.stable, sort.onnx_function)
+        grouped_mm.register(_REGISTRY, _REGISTERED)
+        return _REGISTRY
 
 
 def fake_primals(

@@ -1,0 +1,105 @@
+"""Grouped matrix multiplication (the matmul of Mixture-of-Experts layers) through ONNX Runtime:
+transformers' `grouped_mm_fallback` op and its backward, and `aten._grouped_mm` with offsets,
+against eager on uneven groups, an empty group among them.
+
+transformers' ops exist once transformers is imported (the `hf` extra): those tests skip
+without it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import lazygrad
+from lazygrad.capture.trace import onnx_registry
+
+aten = torch.ops.aten
+
+
+def _transformers_ops() -> None:
+    pytest.importorskip("transformers.integrations.moe")
+
+
+class GroupedExperts(torch.nn.Module):
+    """Rows sorted by expert, each expert's run of rows times its weight (as transformers'
+    experts do under tracing), then a nonlinearity so gradients depend on the outputs."""
+
+    def __init__(self, experts: int = 4, features: int = 8, out: int = 6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, features, out))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.ops.transformers.grouped_mm_fallback(x, self.weight, offsets).tanh()
+
+
+def test_grouped_mm_fallback_matches_eager_with_an_empty_group_and_new_offsets():
+    """Each call's offsets are data: one graph serves every routing (no value is baked in),
+    the empty expert's weight gradient is zero, rows past the last offset are zero, and
+    outputs and gradients are eager's."""
+    _transformers_ops()
+    torch.manual_seed(0)
+    model = GroupedExperts()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    x = torch.randn(12, 8)
+    routings = [[3, 3, 9, 11], [0, 5, 12, 12], [4, 4, 4, 12], [3, 3, 9, 11]]  # an empty group each
+    for step, ends in enumerate(routings):
+        offsets = torch.tensor(ends, dtype=torch.int32)
+        for m in (lazy, model):
+            m.zero_grad(set_to_none=True)
+        x_lazy, x_eager = (x.clone().requires_grad_() for _ in range(2))
+        out, expected = lazy(x_lazy, offsets), model(x_eager, offsets)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(x_lazy.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lazy.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+        empty = [g for g in range(4) if ends[g] == (ends[g - 1] if g else 0)]
+        assert all(not lazy.weight.grad[g].any() for g in empty), step
+        assert not out[ends[-1]:].any()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0
+    assert stats.builds == 1 and stats.hits == len(routings) - 1
+
+
+def _aten_grouped_mm_translation():
+    (translation, *_) = onnx_registry().get_decomps(aten._grouped_mm.default)
+    return translation.onnx_function
+
+
+def _evaluate(function, *arrays: torch.Tensor) -> torch.Tensor:
+    """Run the translation op by op on ONNX Runtime (onnxscript's eager evaluator)."""
+    result = function(*(a.numpy() for a in arrays))
+    return torch.from_numpy(np.asarray(result.value))
+
+
+def test_aten_grouped_mm_translation_matches_eager_in_both_offset_forms():
+    """`aten._grouped_mm` with offsets, the two forms an MoE layer and its backward use:
+    (S, K) x (G, K, N) grouping rows, and (K, S) x (S, N) grouping the inner dimension (the
+    weight gradient, as torch's own backward of the op computes it). torch's meta kernel
+    accepts only bfloat16, which ORT's CPU MatMul lacks, so the translation is run alone on
+    float32 against torch's float32 CPU kernel, which has no such restriction."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(12, 8), torch.randn(4, 8, 4)
+    grad = torch.randn(12, 4)
+    offsets = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
+    leaf_x, leaf_weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = torch._grouped_mm(leaf_x, leaf_weight, offs=offsets)
+    expected.backward(grad)
+    translation = _aten_grouped_mm_translation()
+    torch.testing.assert_close(_evaluate(translation, x, weight, offsets), expected.detach())
+    weight_grad = _evaluate(translation, x.t().contiguous(), grad, offsets)
+    torch.testing.assert_close(weight_grad, leaf_weight.grad)
+    assert not weight_grad[1].any()
+    input_grad = _evaluate(translation, grad, weight.transpose(1, 2).contiguous(), offsets)
+    torch.testing.assert_close(input_grad, leaf_x.grad)
+
+
+def test_aten_grouped_mm_without_offsets_keeps_torchlibs_translation():
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 5, 8), torch.randn(3, 8, 4)
+    translation = _aten_grouped_mm_translation()
+    torch.testing.assert_close(_evaluate(translation, a, b), torch.bmm(a, b))
