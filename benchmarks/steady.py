@@ -1,0 +1,75 @@
+"""`python -m benchmarks.steady [WORKLOAD ...] [--rounds N] [--ablate]`: steady step vs eager.
+
+Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
+median over rounds of lazygrad's step over eager's in the same round), after each model's
+warm-up (its graphs built). `--ablate` adds a third peer whose graphs were built without the
+peephole rewrites (capture/peephole.py), so the rewrites' effect is measured in the same rounds
+as the rest, under the same load. The load average is printed before and after: on a shared
+machine absolute times drift, ratios much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+from collections.abc import Iterator
+
+import lazygrad
+from benchmarks.timing import interleave, paired_ratio
+from benchmarks.workloads import WORKLOADS
+from lazygrad.capture import peephole
+
+
+@contextlib.contextmanager
+def without_peephole() -> Iterator[None]:
+    rules, peephole.RULES = peephole.RULES, []
+    try:
+        yield
+    finally:
+        peephole.RULES = rules
+
+
+def measure(name: str, rounds: int, ablate: bool) -> str:
+    workload = WORKLOADS[name]
+    models = {"eager": workload.model(), "lazygrad": lazygrad.lazy(workload.model())}
+    if ablate:
+        models["lazygrad, no peephole"] = lazygrad.lazy(workload.model())
+    steps = {peer: workload.step(model) for peer, model in models.items()}
+    for peer, step in steps.items():
+        with without_peephole() if "no peephole" in peer else contextlib.nullcontext():
+            for index in range(workload.settle):
+                step(index)
+            if peer != "eager":
+                lazygrad.wait_for_builds(models[peer])
+    load = os.getloadavg()[0]
+    samples = interleave(steps, rounds * workload.cycle, first_round=workload.settle)
+    eager = samples["eager"].times
+    parts = [f"{name}: load {load:.1f}-{os.getloadavg()[0]:.1f}, {len(eager)} rounds, "
+             f"eager {statistics.median(eager) * 1e3:.1f} ms"]
+    for peer, sample in samples.items():
+        if peer == "eager":
+            continue
+        fallbacks = lazygrad.stats(models[peer]).fallbacks
+        parts.append(f"{peer} {paired_ratio(sample.times, eager):.3f}x"
+                     + (f" ({fallbacks} fallbacks)" if fallbacks else ""))
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.steady", description=__doc__)
+    parser.add_argument("workloads", nargs="*", default=["bert loss"],
+                        help=f"any of {sorted(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (cycles for MoE)")
+    parser.add_argument("--ablate", action="store_true", help="also without peephole rewrites")
+    args = parser.parse_args(argv)
+    os.environ["LAZYGRAD_CACHE_DIR"] = ""  # every graph built by this code
+    os.environ["LAZYGRAD_WAIT_FOR_BUILDS"] = "1"
+    for name in args.workloads:
+        print(measure(name, args.rounds, args.ablate), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
