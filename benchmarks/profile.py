@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import json
 import os
 import tempfile
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     eager = eager_profile(workload, args.steps)
     nodes = lazy_profile(workload, args.steps, args.graphs)
     lazy = by_op(nodes)
-    eager_again = eager_profile(copy.copy(workload), args.steps)  # the load may have changed
+    eager_again = eager_profile(workload, args.steps)  # the load may have changed meanwhile
     eager = collections.Counter({op: (eager[op] + eager_again[op]) / 2 for op in eager})
     print(f"{workload.name}: {args.steps} steady steps, load average {os.getloadavg()[0]:.1f}")
     print("\n".join(table(eager, lazy)))
