@@ -68,7 +68,9 @@ class GraphPair:
                     value.name for value, feed in zip(model.graph.input, feeds)
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
-                found = self._sessions[key] = GraphSession(model, device, persistent)
+                found = self._sessions[key] = GraphSession(
+                    model, device, persistent, arena=not forward
+                )
             return found
 
     def forward(

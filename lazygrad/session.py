@@ -44,11 +44,15 @@ class GraphSession:
         model: onnx.ModelProto,
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
+        arena: bool = False,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
-        signature, which holds them); a new storage or layout is seen."""
+        signature, which holds them); a new storage or layout is seen. `arena`: ORT keeps the
+        memory of its intermediates between runs (for a graph whose results are small next to
+        them: a backward, whose results are gradients)."""
         self.device = device
+        self.arena = arena
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
         self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
@@ -73,10 +77,12 @@ class GraphSession:
         # back as exceptions that the runtime explains; printed as well, they would mislead.
         options.log_severity_level = 4
         options.graph_optimization_level = level
-        # Outputs and stashed tensors leave ORT and live in torch until backward; an arena would
-        # keep their peak reserved for the whole process, and memory saved by a smaller stash
-        # would never be given back.
-        options.enable_cpu_mem_arena = False
+        # A forward's outputs and stashed tensors leave ORT and live in torch until backward;
+        # an arena would keep their peak reserved for the whole process, and memory saved by a
+        # smaller stash would never be given back. A backward's intermediates die within its
+        # run: without an arena each is fresh memory from the system every step, whose pages
+        # fault in at first touch (measured: a logits-sized elementwise pass 2-5x slower).
+        options.enable_cpu_mem_arena = self.arena
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
         # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the

@@ -3,7 +3,8 @@ own derivative formulas.
 
 The stages, each callable alone: `trace` (AOTAutograd over functional_call on fake tensors),
 `partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
-and how to feed each graph), `to_onnx` (direct translation). `capture` runs the first three,
+and how to feed each graph), `peephole` (the same values in fewer passes over memory),
+`to_onnx` (direct translation). `capture` runs the first three,
 `export` the last; in between, `fingerprint` keys the on-disk cache.
 """
 
@@ -19,7 +20,7 @@ import onnx
 import torch
 import torch.fx as fx
 
-from lazygrad.capture import partition, symbols, tidy, to_onnx, trace
+from lazygrad.capture import partition, peephole, symbols, tidy, to_onnx, trace
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
@@ -120,6 +121,9 @@ def capture(
         parts = partition.partition(traced, recompute)
         masked = [i for i, bit in enumerate(mask or ()) if bit]
         tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs), masked)
+        for gm in (tidied.forward, tidied.backward):
+            if gm is not None:
+                peephole.rewrite(gm)
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph

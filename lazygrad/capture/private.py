@@ -39,6 +39,7 @@ from torch.fx.experimental.symbolic_shapes import (
     ShapeEnv,
     StatelessSymbolicContext,
     free_unbacked_symbols,
+    statically_known_true,
 )
 from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
 from torch.utils._sympy.printers import PythonPrinter
@@ -131,6 +132,7 @@ __all__ = [
     "onnx_fx_passes",
     "onnx_registration",
     "queue_at_backward_end",
+    "statically_known_true",
 ]
 
 onnx_constants = _constants

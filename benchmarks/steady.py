@@ -1,0 +1,105 @@
+"""`python -m benchmarks.steady [WORKLOAD ...] [--rounds N] [--ablate]`: steady step vs eager.
+
+Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
+median over rounds of lazygrad's step over eager's in the same round), after each model's
+warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
+(capture/peephole.py), without the backward's memory arena (session.py), and without either
+(as before both), so each one's effect is measured in the same rounds as the rest, under the
+same load. The load average is printed before and after: on a shared machine absolute times
+drift, ratios much less. Each step's process CPU time (user + system, all threads) is
+recorded too: the work a step does, which waiting for a core under load does not inflate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import lazygrad
+from benchmarks.timing import interleave, paired_ratio
+from benchmarks.workloads import WORKLOADS
+from lazygrad import graph_pair
+from lazygrad.capture import peephole
+from lazygrad.session import GraphSession
+
+ABLATIONS = {
+    "lazygrad, no peephole": ("peephole",),
+    "lazygrad, no arena": ("arena",),
+    "lazygrad, neither": ("peephole", "arena"),
+}
+
+
+@contextlib.contextmanager
+def without(parts: tuple[str, ...]) -> Iterator[None]:
+    """Graphs built and sessions made inside the block lack `parts`."""
+    rules, session = peephole.RULES, graph_pair.GraphSession
+    if "peephole" in parts:
+        peephole.RULES = []
+    if "arena" in parts:
+        graph_pair.GraphSession = lambda *args, **kwargs: GraphSession(
+            *args, **{**kwargs, "arena": False}
+        )
+    try:
+        yield
+    finally:
+        peephole.RULES, graph_pair.GraphSession = rules, session
+
+
+def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:
+    def run(index: int) -> None:
+        started = time.process_time()
+        step(index)
+        into.append(time.process_time() - started)
+
+    return run
+
+
+def measure(name: str, rounds: int, ablate: bool) -> str:
+    workload = WORKLOADS[name]
+    models = {"eager": workload.model(), "lazygrad": lazygrad.lazy(workload.model())}
+    if ablate:
+        models.update({peer: lazygrad.lazy(workload.model()) for peer in ABLATIONS})
+    steps = {peer: workload.step(model) for peer, model in models.items()}
+    for peer, step in steps.items():
+        with without(ABLATIONS.get(peer, ())):
+            for index in range(workload.settle):
+                step(index)
+            if peer != "eager":
+                lazygrad.wait_for_builds(models[peer])
+    load = os.getloadavg()[0]
+    cpu: dict[str, list[float]] = {peer: [] for peer in steps}
+    timed = {peer: cpu_timed(step, cpu[peer]) for peer, step in steps.items()}
+    samples = interleave(timed, rounds * workload.cycle, first_round=workload.settle)
+    eager = samples["eager"].times
+    parts = [f"{name}: load {load:.1f}-{os.getloadavg()[0]:.1f}, {len(eager)} rounds, "
+             f"eager {statistics.median(eager) * 1e3:.1f} ms"]
+    for peer, sample in samples.items():
+        if peer == "eager":
+            continue
+        fallbacks = lazygrad.stats(models[peer]).fallbacks
+        parts.append(f"{peer} {paired_ratio(sample.times, eager):.3f}x "
+                     f"(CPU {paired_ratio(cpu[peer], cpu['eager']):.3f}x)"
+                     + (f" ({fallbacks} fallbacks)" if fallbacks else ""))
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.steady", description=__doc__)
+    parser.add_argument("workloads", nargs="*", default=["bert loss"],
+                        help=f"any of {sorted(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (cycles for MoE)")
+    parser.add_argument("--ablate", action="store_true", help="also without each speed-up")
+    args = parser.parse_args(argv)
+    os.environ["LAZYGRAD_CACHE_DIR"] = ""  # every graph built by this code
+    os.environ["LAZYGRAD_WAIT_FOR_BUILDS"] = "1"
+    for name in args.workloads:
+        print(measure(name, args.rounds, args.ablate), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
