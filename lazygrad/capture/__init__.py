@@ -118,6 +118,9 @@ def capture(
         traced = trace.trace(fn, primals, dynamic, training, module)
     try:
         parts = partition.partition(traced, recompute)
+        for gm in (parts.forward, parts.backward):
+            if gm is not None:
+                head.rewrite(gm)
         masked = [i for i, bit in enumerate(mask or ()) if bit]
         tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs), masked)
     except CaptureError:
@@ -142,11 +145,8 @@ def export(captured: Captured) -> Graphs:
     started = time.perf_counter()
     tidied = captured.tidy
     try:
-        # The graphs ORT runs hold fewer logits-sized buffers (`head.py`); the check runs the
-        # FX graphs as traced against them, so it checks the rewrite too.
-        forward = to_onnx.to_onnx(head.rewritten(tidied.forward))
-        backward = (to_onnx.to_onnx(head.rewritten(tidied.backward))
-                    if tidied.backward is not None else None)
+        forward = to_onnx.to_onnx(tidied.forward)
+        backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
     except Exception as error:
         where = captured.untranslatable[0][1] if captured.untranslatable else None
         raise CaptureError(f"ONNX export failed: {type(error).__name__}: {error}", where) from error

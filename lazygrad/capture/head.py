@@ -1,11 +1,11 @@
 """Fewer logits-sized buffers in a vocabulary head: two rewrites of the partitioned graphs.
 
 A language-model head computes `h @ W.t() + bias` and, for its loss, `log_softmax` of that,
-from which `nll_loss` picks the label's entry. Exported as traced, ORT holds the matrix product
+from which `nll_loss` picks the label's entry. Traced as it is, ORT holds the matrix product
 and the biased logits at once, then the full log-softmax beside the logits: three buffers of
 batch x sequence x vocabulary (234 MiB each on workload A of `benchmarks/memory.py`) where the
-result needs one. So, in each graph after the partition and tidying (where it is known what the
-backward reads), before export:
+result needs one. So, in each graph after the partition (where it is known what the backward
+reads):
 
 - `add(mm(a, b) [viewed], bias)`, a bias over the last dimension: `addmm(bias, a, b)` [viewed],
   one ONNX Gemm that writes the biased result in place;
@@ -14,8 +14,7 @@ backward reads), before export:
   (log_softmax(x) = x - logsumexp(x)), without the vocabulary-sized result.
 
 Both compute the same values as the ops they replace (not a gradient: derivatives come from
-the partition before). They apply to the graphs exported to ONNX only: the check (`verify.py`)
-runs the FX graphs as traced against ORT, so it checks the rewrite as well.
+the partition before), and the check (`verify.py`) runs the rewritten FX graph against ORT.
 """
 
 from __future__ import annotations
@@ -26,15 +25,8 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 
-def rewritten(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` with both rewrites wherever their pattern holds (`gm` itself if none)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph)
-    return copy if _rewrite(copy) else gm
-
-
-def _rewrite(gm: fx.GraphModule) -> bool:
+def rewrite(gm: fx.GraphModule) -> None:
+    """Both rewrites, in place, wherever their pattern holds."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.add.Tensor:
@@ -44,7 +36,6 @@ def _rewrite(gm: fx.GraphModule) -> bool:
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    return changed
 
 
 def _bias_into_matmul(graph: fx.Graph, add: fx.Node) -> bool:
