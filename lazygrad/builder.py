@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lazygrad import heap
+from lazygrad import heap, turns
 
 T = TypeVar("T")
 
@@ -56,6 +56,7 @@ def _work() -> None:
 @atexit.register
 def _close() -> None:
     _closing.set()
+    turns.stop_waiting()
     with _idle:  # the running build ends; queued ones are cancelled
         pass
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 _condition = threading.Condition()
 _waiting = False  # a check waits for its turn
 _granted = False  # a training thread paused at the end of its backward for the check
+_closing = False  # the process exits: a check waits no longer
 
 
 @contextlib.contextmanager
@@ -29,7 +30,7 @@ def check_turn(patience: float = 60.0) -> Iterator[None]:
     with _condition:
         _waiting = True
         try:
-            _condition.wait_for(lambda: _granted, timeout=patience)
+            _condition.wait_for(lambda: _granted or _closing, timeout=patience)
         finally:
             _waiting = False
     try:
@@ -50,3 +51,11 @@ def backward_ended() -> None:
         _granted = True
         _condition.notify_all()
         _condition.wait_for(lambda: not _granted)
+
+
+def stop_waiting() -> None:
+    """At exit: a check waiting for its turn runs now (the build ends sooner)."""
+    global _closing
+    with _condition:
+        _closing = True
+        _condition.notify_all()
