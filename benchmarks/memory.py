@@ -48,6 +48,7 @@ CONFIGS = ("eager", "all", "predict", "recompute")  # lazygrad's policies; "pred
 DEFAULT = "predict"
 LOOPS = ("keep", "del")
 MIB = 2**20
+MAX_STEPS = 40  # a lazy loop's steps at most (see `probe_train`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +203,13 @@ def probe_train(
     ids, mlm_labels, nsp_labels = models.bert_batch(bert, batch=batch, seq=shape.seq)
     timeline.mark("model, optimizer, batch")
 
-    seconds = []
+    seconds, served = [], []
     out = None
-    for index in range(steps):
+    index = 0
+    # Tiered execution: a lazy model's first steps run eagerly while its graphs are built in
+    # the background, so a lazy loop runs on until its graphs have served `steps - 1` steps
+    # (at most MAX_STEPS): the build, the steps beside it and steady steps are all measured.
+    while index < steps or (lazy and served[-1] < steps - 1 and index < MAX_STEPS):
         start = time.perf_counter()
         out = model(ids, mlm_labels, nsp_labels)  # "keep": the last step's `out` lives till here
         if shape.trains == "nsp":
@@ -217,7 +222,9 @@ def probe_train(
             del out
         seconds.append(time.perf_counter() - start)
         timeline.mark(f"step {index}")
-    result = {"timeline": timeline.points, "step_s": seconds}
+        served.append(lazygrad.stats(model).hits if lazy else 0)
+        index += 1
+    result = {"timeline": timeline.points, "step_s": seconds, "served": served}
     if lazy:
         stats = lazygrad.stats(model)
         result.update(builds=stats.builds, recomputes=stats.recomputes)
@@ -292,6 +299,12 @@ class Run:
     step_s: list[float] = dataclasses.field(default_factory=list)
     builds: int | None = None
     recomputes: int | None = None
+    served: list[int] = dataclasses.field(default_factory=list)  # steps served by ORT so far
+
+    @property
+    def first_served(self) -> int | None:
+        """The first step whose backward ran through ORT (None: eager, or never)."""
+        return next((i for i, count in enumerate(self.served) if count), None)
 
     @property
     def peak_mib(self) -> float:
@@ -520,42 +533,47 @@ def target_table(found: Sequence[Target]) -> str:
 
 
 def timeline_table(runs: Sequence[Run]) -> str:
-    """Resident set (MiB) at each point of the keep-loop runs: where the memory goes."""
-    names = ["python", "import torch", "import lazygrad", "model, optimizer, batch"]
-    steps = max(len(run.step_s) for run in runs)
-    header = ["config", *names[1:], *(f"step {i}: peak / after" for i in range(steps)),
+    """Resident set (MiB) at each point of the keep-loop runs: where the memory goes. A lazy
+    run's steps: the first (eager, its build starts at the backward), the eager steps while
+    the graphs are built and checked (the largest peak), the first step served by ORT, and the
+    last."""
+    names = ["import torch", "import lazygrad", "model, optimizer, batch"]
+    header = ["config", *names, "step 0: peak / after", "steps while building: steps, peak",
+              "first ORT step: index, peak / after", "last step: peak / after",
               "anon after last step"]
     rows = []
     for run in runs:
         row = [label(run.spec["config"])]
-        for name in names[1:]:
+        for name in names:
             point = run.at(name)
             row.append("—" if point is None else f"{point['rss']:.0f}")
-        for index in range(steps):
-            point = run.at(f"step {index}")
-            row.append("—" if point is None else f"{point['peak']:.0f} / {point['rss']:.0f}")
+        steps = [run.at(f"step {i}") for i in range(len(run.step_s))]
+        row.append(f"{steps[0]['peak']:.0f} / {steps[0]['rss']:.0f}")
+        first = run.first_served
+        if first is None:
+            row += ["—", "—"]
+        else:
+            between = steps[1:first]
+            row.append(f"{len(between)}, {max(p['peak'] for p in between):.0f}" if between
+                       else "0")
+            row.append(f"{first}, {steps[first]['peak']:.0f} / {steps[first]['rss']:.0f}")
+        row.append(f"{steps[-1]['peak']:.0f} / {steps[-1]['rss']:.0f}")
         row.append(f"{run.timeline[-1]['anon']:.0f}")
         rows.append(row)
     return _grid(header, rows)
 
 
-STAGES = ("model, optimizer, batch", "build starts", "after capture", "after export",
-          "after verify", "step 0", "step 1")
-
-
 def stage_table(runs: dict[tuple[str, str], Run]) -> str:
-    """Peak during / resident set after each stage of the first steps, per (workload, config)."""
+    """Every point of the diagnostic runs after the model is made, in order: the steps, and
+    the build's stages marked from the builder thread (peak since the point before / resident
+    set, MiB)."""
     rows = []
     for (workload, config), run in runs.items():
-        cells = []
-        for name in STAGES:
-            point = run.at(name)
-            cells.append("—" if point is None else f"{point['peak']:.0f} / {point['rss']:.0f}")
-        rows.append([workload, label(config), *cells])
-    header = ["workload", "config", "model, optimizer, batch",
-              "step 0 until the build (eager forward)", "capture (trace, partition)",
-              "export", "verify (sessions, one checked run)", "rest of step 0", "step 1"]
-    return _grid(header, rows, text=(0, 1))
+        start = next(i for i, p in enumerate(run.timeline) if p["at"] == "model, optimizer, batch")
+        for point in run.timeline[start:]:
+            rows.append([workload, label(config), point["at"],
+                         f"{point['peak']:.0f} / {point['rss']:.0f}"])
+    return _grid(["workload", "config", "point", "peak / after"], rows, text=(0, 1, 2))
 
 
 def imports_table(imports: Run) -> str:
@@ -667,12 +685,14 @@ def notes(plan: Plan, machine: dict, minutes: float) -> list[str]:
         f"load average {machine['load_average']} at the end (other work shares the machine); "
         f"Python {machine['python']}, {versions}.",
         f"Every figure is one fresh process: `import torch` (and `import lazygrad` for lazygrad), "
-        f"the model (seed 0), AdamW (lr 1e-4), {plan.steps} steps of forward, backward, "
+        f"the model (seed 0), AdamW (lr 1e-4), steps of forward, backward, "
         "optimizer.step(), optimizer.zero_grad(); default allocator (no MALLOC_* variables); "
-        "an empty private disk cache (LAZYGRAD_CACHE_DIR = a new temporary folder), so step 0 "
-        "builds the graphs (lazygrad: an eager forward, then at the backward the build: trace, "
-        "export, check), "
-        "step 1 is ORT's first run and the later steps are steady.",
+        "an empty private disk cache (LAZYGRAD_CACHE_DIR = a new temporary folder). Eager runs "
+        f"{plan.steps} steps. Lazygrad (tiered execution, the default): step 0 runs eagerly and "
+        "at its backward queues the build (trace, export, check) on the builder thread; the "
+        "next steps run eagerly beside it until the graphs are ready, then through ORT; the "
+        f"loop runs until ORT has served {plan.steps - 1} steps (at most {MAX_STEPS} steps), "
+        "so the build, the eager steps beside it and steady steps are all in the peak.",
         "Whole-process peak: the high-water mark of the resident set (VmHWM, = ru_maxrss) over "
         "the whole process, first step included. It is read after each import and each step "
         "and reset after reading, so the timeline shows each stretch's own peak; the whole "
@@ -706,7 +726,8 @@ def report(plan: Plan, found: dict, machine: dict) -> tuple[str, dict]:
         lines += [
             f"## Workload {workload}: {shape.title} (vocabulary {shape.vocab:,}, hidden "
             f"{shape.hidden}, {shape.layers} layers, batch {shape.batch}, seq {shape.seq})", "",
-            peak_table(pick(lambda r: r.peak_mib), pick(lambda r: r.step_added_mib(plan.steps - 1)),
+            peak_table(pick(lambda r: r.peak_mib),
+                       pick(lambda r: r.step_added_mib(len(r.step_s) - 1)),
                        pick(lambda r: r.cgroup_peak_mib) if CGROUP else None),
             "",
         ]
@@ -725,9 +746,10 @@ def report(plan: Plan, found: dict, machine: dict) -> tuple[str, dict]:
         ]
     if found["staged"]:
         lines += [
-            "The first step in stages (diagnostic runs: keep loop, batch 16, 2 steps, marks "
-            "around lazygrad's capture, export and verify); each cell is the peak during the "
-            "stage / the resident set after it, MiB:", "", stage_table(found["staged"]), "",
+            "The build in stages (diagnostic runs: keep loop, batch 16, until ORT serves a step; "
+            "marks after lazygrad's capture, export and verify, made on the builder thread, "
+            "between the training thread's step marks); each cell is the peak since the point "
+            "before / the resident set after it, MiB:", "", stage_table(found["staged"]), "",
         ]
     lines += ["## How it was measured", "",
               *(f"- {note}" for note in notes(plan, machine, found["minutes"])), ""]

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from lazygrad import heap, turns
+
 T = TypeVar("T")
 
 _jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
@@ -42,16 +44,19 @@ def _work() -> None:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = build()
+                future.set_result(build())
             except BaseException as error:  # handed to whoever waits on the future
                 future.set_exception(error)
-            else:
-                future.set_result(result)
+            # The job holds the build's inputs (a snapshot of the call's tensors): dropped
+            # before the next job arrives, then what the build freed goes back (`heap.py`).
+            del build, future
+            heap.release_freed_memory()
 
 
 @atexit.register
 def _close() -> None:
     _closing.set()
+    turns.stop_waiting()
     with _idle:  # the running build ends; queued ones are cancelled
         pass
 

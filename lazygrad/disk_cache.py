@@ -19,11 +19,11 @@ import json
 import os
 import struct
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import onnx
 import onnxruntime
-import onnxscript
 import torch
 
 from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
@@ -44,7 +44,8 @@ def default_directory() -> Path | None:
 
 def versions() -> tuple[str, ...]:
     """Everything outside the traced graph that changes the ONNX graphs or how they run."""
-    return (MAGIC.decode(), torch.__version__, onnxscript.__version__, onnxruntime.__version__)
+    return (MAGIC.decode(), torch.__version__, metadata.version("onnxscript"),
+            onnxruntime.__version__)
 
 
 class DiskCache:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lazygrad import attach, builder, clock, disk_cache
+from lazygrad import attach, builder, clock, disk_cache, turns
 from lazygrad.capture import Captured, CaptureError, capture, export, functional, unchanged
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
@@ -189,8 +189,12 @@ class Runtime:
         if torch.is_grad_enabled():
             with contextlib.suppress(ValueError):  # a result lazygrad cannot walk: untimed
                 clock.time_backward([t for t in tensors_of(result) if t.requires_grad],
-                                    self._count_time)
+                                    self._backward_ended)
         return result
+
+    def _backward_ended(self, wall: float, ort: float) -> None:
+        self._count_time(wall, ort)
+        turns.backward_ended()  # a background build's check runs now, between two steps
 
     def _count_time(self, wall: float, ort: float) -> None:
         with self._lock:
@@ -374,7 +378,7 @@ class Runtime:
                     structure = _structure_copy(self.module)
             if structure is None:
                 built = builder.run(lambda: self._build(
-                    signature, entry, mask, primals, cotangents, device, self.module))
+                    signature, entry, mask, primals, cotangents, device, self.module, False))
                 self._add(key, built)
                 return built.pair
             # The build reads this call's tensors after the caller has moved on (an optimizer
@@ -385,7 +389,7 @@ class Runtime:
                 None if c is None else c.detach().clone() for c in cotangents)
             generation = self._generation
             future = builder.submit(lambda: self._build(
-                signature, entry, mask, snapshot, given, device, structure))
+                signature, entry, mask, snapshot, given, device, structure, True))
             self._building[key] = future
         future.add_done_callback(lambda done: self._built(key, entry, generation, done))
         return None
@@ -439,12 +443,14 @@ class Runtime:
         cotangents: tuple | None,
         device: torch.device,
         module: torch.nn.Module,
+        background: bool,
     ) -> PairEntry:
-        """Runs on the builder thread: the pair, checked, with its statistics."""
+        """Runs on the builder thread: the pair, checked, with its statistics. `background`:
+        the caller has moved on (tiered execution), so the check takes its turn (`turns.py`)."""
         started = time.perf_counter()
         try:
             pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
-                                               device, module)
+                                               device, module, background)
         except (CaptureError, VerificationError, GraphRunError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None)) from error
         stats = EntryStats(
@@ -465,6 +471,7 @@ class Runtime:
         cotangents: tuple | None,
         device: torch.device,
         module: torch.nn.Module,
+        background: bool,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
         captured, key = self._trace(signature, entry, mask, primals, module)
@@ -475,7 +482,10 @@ class Runtime:
         graphs = export(captured)
         pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
         checked = time.perf_counter()
-        verify(captured, pair, primals, cotangents, device)
+        for which in ("forward", "backward") if graphs.backward is not None else ("forward",):
+            pair.session(which, device)  # made before the turn: the training thread runs on
+        with turns.check_turn() if background and mask is not None else contextlib.nullcontext():
+            verify(captured, pair, primals, cotangents, device)
         graphs.seconds["check"] = time.perf_counter() - checked
         if self._disk:
             self._disk.store(key, graphs)

@@ -20,7 +20,7 @@ import onnx
 import torch
 import torch.fx as fx
 
-from lazygrad.capture import partition, peephole, symbols, tidy, to_onnx, trace
+from lazygrad.capture import head, partition, peephole, symbols, tidy, to_onnx, trace
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
@@ -119,6 +119,9 @@ def capture(
         traced = trace.trace(fn, primals, dynamic, training, module)
     try:
         parts = partition.partition(traced, recompute)
+        for gm in (parts.forward, parts.backward):
+            if gm is not None:
+                head.rewrite(gm)
         masked = [i for i, bit in enumerate(mask or ()) if bit]
         tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs), masked)
         for gm in (tidied.forward, tidied.backward):

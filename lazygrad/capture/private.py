@@ -10,39 +10,14 @@ gate any upgrade. Nothing else in lazygrad imports a private torch module.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch._decomp import get_decompositions
-from torch._dispatch.python import enable_python_dispatcher
-from torch._functorch.aot_autograd import aot_function
-from torch._functorch.partitioners import default_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.export import ExportedProgram
-from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    InputKind,
-    InputSpec,
-    OutputKind,
-    OutputSpec,
-    TensorArgument,
-)
-from torch.fx import traceback as fx_traceback
-from torch.fx.experimental import _config as fx_config
-from torch.fx.experimental.symbolic_shapes import (
-    DimDynamic,
-    GuardOnDataDependentSymNode,
-    ShapeEnv,
-    StatelessSymbolicContext,
-    free_unbacked_symbols,
-    statically_known_true,
-)
-from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _registration
-from torch.utils._sympy.printers import PythonPrinter
 
 # The exporter and the symbolic-shape machinery log every specialisation and skipped torchvision
 # op at WARNING; for a runtime that traces on the user's behalf that is noise.
@@ -102,41 +77,53 @@ def queue_at_backward_end(callback: Callable[[], None]) -> None:
 _TENSORIFY = "TENSORIFY_PYTHON_SCALARS"  # read by torch._dynamo.utils._is_tensorify_enabled
 
 
-__all__ = [
-    "compiling",
-    "DimDynamic",
-    "ExportGraphSignature",
-    "ExportedProgram",
-    "FakeTensorMode",
-    "GuardOnDataDependentSymNode",
-    "InputKind",
-    "InputSpec",
-    "ModuleCallEntry",
-    "ModuleCallSignature",
-    "OutputKind",
-    "OutputSpec",
-    "PythonPrinter",
-    "ShapeEnv",
-    "StatelessSymbolicContext",
-    "TensorArgument",
-    "aot_function",
-    "default_partition",
-    "enable_python_dispatcher",
-    "free_unbacked_symbols",
-    "fx_config",
-    "fx_traceback",
-    "get_decompositions",
-    "onnx_constants",
-    "onnx_core",
-    "onnx_decomp",
-    "onnx_fx_passes",
-    "onnx_registration",
-    "queue_at_backward_end",
-    "statically_known_true",
-]
+# name -> (module, attribute; None: the module itself), imported at first use (`__getattr__`)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "get_decompositions": ("torch._decomp", "get_decompositions"),
+    "enable_python_dispatcher": ("torch._dispatch.python", "enable_python_dispatcher"),
+    "aot_function": ("torch._functorch.aot_autograd", "aot_function"),
+    "default_partition": ("torch._functorch.partitioners", "default_partition"),
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "ExportedProgram": ("torch.export", "ExportedProgram"),
+    "ModuleCallEntry": ("torch.export.exported_program", "ModuleCallEntry"),
+    "ModuleCallSignature": ("torch.export.exported_program", "ModuleCallSignature"),
+    "ExportGraphSignature": ("torch.export.graph_signature", "ExportGraphSignature"),
+    "InputKind": ("torch.export.graph_signature", "InputKind"),
+    "InputSpec": ("torch.export.graph_signature", "InputSpec"),
+    "OutputKind": ("torch.export.graph_signature", "OutputKind"),
+    "OutputSpec": ("torch.export.graph_signature", "OutputSpec"),
+    "TensorArgument": ("torch.export.graph_signature", "TensorArgument"),
+    "fx_traceback": ("torch.fx.traceback", None),
+    "fx_config": ("torch.fx.experimental._config", None),
+    "DimDynamic": ("torch.fx.experimental.symbolic_shapes", "DimDynamic"),
+    "GuardOnDataDependentSymNode": ("torch.fx.experimental.symbolic_shapes",
+                                    "GuardOnDataDependentSymNode"),
+    "ShapeEnv": ("torch.fx.experimental.symbolic_shapes", "ShapeEnv"),
+    "StatelessSymbolicContext": ("torch.fx.experimental.symbolic_shapes",
+                                 "StatelessSymbolicContext"),
+    "free_unbacked_symbols": ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols"),
+    "statically_known_true": ("torch.fx.experimental.symbolic_shapes", "statically_known_true"),
+    "PythonPrinter": ("torch.utils._sympy.printers", "PythonPrinter"),
+    "onnx_constants": ("torch.onnx._internal.exporter._constants", None),
+    "onnx_core": ("torch.onnx._internal.exporter._core", None),
+    "onnx_decomp": ("torch.onnx._internal.exporter._decomp", None),
+    "onnx_fx_passes": ("torch.onnx._internal.exporter._fx_passes", None),
+    "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
+}
 
-onnx_constants = _constants
-onnx_core = _core
-onnx_decomp = _decomp
-onnx_fx_passes = _fx_passes
-onnx_registration = _registration
+__all__ = ["compiling", "queue_at_backward_end", *_LAZY]
+
+
+
+def __getattr__(name: str) -> Any:
+    """The private APIs above, each imported at its first use, by a build: AOTAutograd imports
+    torch._dynamo, and the exporter onnxscript and torch.onnx, over 100 MiB resident, which a
+    process that loads built graphs from the disk cache, or has not built yet, does not need."""
+    found = _LAZY.get(name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = found
+    value = importlib.import_module(module)
+    value = value if attribute is None else getattr(value, attribute)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value

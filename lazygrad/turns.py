@@ -1,0 +1,61 @@
+"""A background build's check runs between two training steps, so that their peaks never add.
+
+The check (`verify.py`) runs the new graphs in ORT and their FX graphs in torch on a real batch:
+about as much memory as a training step. Beside the eager steps that tiered execution runs while
+the graphs are built, the two peaks added up (the whole-process peak of workload A in
+`benchmarks/memory.py`). So the check waits for the end of a backward of a lazy module (its
+activations freed), and that thread waits there until the check is done: one step pauses for a
+check's run, once per build. A check waits at most `patience` seconds for a backward (a loop that
+never runs one), then runs anyway, as it did before. Builds run one at a time (`builder.py`), so
+at most one check waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+_condition = threading.Condition()
+_waiting = False  # a check waits for its turn
+_granted = False  # a training thread paused at the end of its backward for the check
+_closing = False  # the process exits: a check waits no longer
+
+
+@contextlib.contextmanager
+def check_turn(patience: float = 60.0) -> Iterator[None]:
+    """Inside: a training thread that ended its backward waits (if one did within `patience`
+    seconds)."""
+    global _waiting, _granted
+    with _condition:
+        _waiting = True
+        try:
+            _condition.wait_for(lambda: _granted or _closing, timeout=patience)
+        finally:
+            _waiting = False
+    try:
+        yield
+    finally:
+        with _condition:
+            _granted = False
+            _condition.notify_all()
+
+
+def backward_ended() -> None:
+    """At the end of a lazy module's backward, on its thread: a check waiting for its turn runs
+    now, and this thread waits until it is done."""
+    global _granted
+    with _condition:
+        if not _waiting or _granted:
+            return
+        _granted = True
+        _condition.notify_all()
+        _condition.wait_for(lambda: not _granted)
+
+
+def stop_waiting() -> None:
+    """At exit: a check waiting for its turn runs now (the build ends sooner)."""
+    global _closing
+    with _condition:
+        _closing = True
+        _condition.notify_all()

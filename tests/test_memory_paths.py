@@ -1,0 +1,136 @@
+"""The memory-saving paths: the vocabulary-head rewrite, the check's blockwise comparison, the
+check's turn between steps, and the import of `lazygrad` without the exporter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close, assert_grads_equal
+
+import lazygrad
+from lazygrad import attach, turns
+from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
+from lazygrad.verify import VerificationError, _compare
+
+
+class Head(torch.nn.Module):
+    """A language-model head: matmul with a tied weight, a bias, a cross-entropy with ignored
+    labels; returns (loss, logits, a side output)."""
+
+    def __init__(self, vocab: int = 50, width: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.bias = torch.nn.Parameter(torch.randn(vocab))
+        self.side = torch.nn.Linear(width, 3)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        hidden = torch.tanh(self.embed(ids))
+        logits = hidden @ self.embed.weight.t() + self.bias
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return loss, logits, self.side(hidden[:, 0])
+
+
+@pytest.mark.parametrize("trained", ["side", "loss", "logits"])
+def test_head_rewrite_keeps_outputs_and_gradients_equal_to_eager(trained):
+    torch.manual_seed(0)
+    eager = Head()
+    lazy = lazygrad.lazy(Head())
+    lazy.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 50, (4, 6))
+    labels = torch.where(torch.rand(4, 6) < 0.5, ids, torch.full_like(ids, -100))
+    labels[:, 0] = ids[:, 0]
+    pick = {"side": lambda o: o[2].square().mean(), "loss": lambda o: o[0],
+            "logits": lambda o: o[1].square().mean() + o[0]}[trained]
+    for step in range(3):
+        for m in (lazy, eager):
+            m.zero_grad(set_to_none=True)
+        got, want = lazy(ids, labels), eager(ids, labels)
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_close(a.detach(), b.detach(), f"step {step}: output {index}")
+        pick(got).backward()
+        pick(want).backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+
+
+def test_nsp_only_head_exports_one_gemm_and_no_log_softmax_over_the_vocabulary():
+    config = BertConfig(vocab=300, hidden=16, layers=1, heads=2)
+    model = lazygrad.lazy(BertPretraining(config))
+    ids, mlm, nsp = bert_batch(config, batch=2, seq=8)
+    for _ in range(2):
+        F.cross_entropy(model(ids, mlm, nsp)[2], nsp).backward()
+    assert lazygrad.stats(model).fallbacks == 0
+    runtime = attach.installed(model)
+    (entry,) = runtime._pairs.values()
+    nodes = entry.pair.graphs.forward.graph.node
+    softmaxes = [n for n in nodes if n.op_type == "LogSoftmax"]
+    vocab_sized = [n for n in softmaxes if _vocab_input(entry.pair.graphs.forward, n, 300)]
+    assert not vocab_sized, "the MLM loss still materialises a log-softmax over the vocabulary"
+    assert any(n.op_type == "ReduceLogSumExp" for n in nodes)
+
+
+def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bool:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    for value in inferred.graph.value_info:
+        if value.name == node.input[0]:
+            return value.type.tensor_type.shape.dim[-1].dim_value == vocab
+    return True  # unknown: assume the worst
+
+
+def test_check_compares_blockwise_and_catches_a_difference_or_nans_in_other_places():
+    wanted = torch.randn(3_000_000)
+    _compare([wanted.clone()], [wanted], "result")
+    off = wanted.clone()
+    off[2_500_000] += 1.0
+    with pytest.raises(VerificationError, match="differs"):
+        _compare([off], [wanted], "result")
+    nan = wanted.clone()
+    nan[5] = float("nan")
+    with pytest.raises(VerificationError):
+        _compare([nan], [wanted], "result")
+    both = [nan.clone()]
+    _compare(both, [nan], "result")
+    assert both == [None]  # ORT's result is dropped once compared
+
+
+def test_check_waits_for_the_end_of_a_backward_and_that_backward_waits_for_the_check():
+    order = []
+
+    def check():
+        with turns.check_turn(patience=30):
+            order.append("check starts")
+            time.sleep(0.2)
+            order.append("check ends")
+
+    builder = threading.Thread(target=check)
+    builder.start()
+    time.sleep(0.2)
+    order.append("backward ends")
+    turns.backward_ended()
+    order.append("training goes on")
+    builder.join()
+    assert order == ["backward ends", "check starts", "check ends", "training goes on"]
+
+
+def test_check_without_a_backward_runs_after_its_patience():
+    started = time.perf_counter()
+    with turns.check_turn(patience=0.1):
+        pass
+    assert time.perf_counter() - started < 5
+    turns.backward_ended()  # no check waits: returns at once
+
+
+def test_import_lazygrad_imports_neither_the_exporter_nor_dynamo():
+    code = ("import sys, lazygrad; print(sorted(m for m in ('onnxscript', 'torch.onnx', "
+            "'torch._dynamo') if m in sys.modules))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert found == "[]"
