@@ -473,11 +473,11 @@ class Runtime:
                 f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
             )
         key = captured.fingerprint(mask, self.options.policy == "recompute",
-                                   disk_cache.versions())
+                                   self.options.segments, disk_cache.versions())
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
             return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
-        graphs = export(captured)
+        graphs = export(captured, self.options.segments)
         pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
         checked = time.perf_counter()
         verify(captured, pair, primals, cotangents, device)

@@ -137,3 +137,19 @@ onnx_core = _core
 onnx_decomp = _decomp
 onnx_fx_passes = _fx_passes
 onnx_registration = _registration
+
+
+def release_saved_tensors(ctx: object) -> None:
+    """Drop a custom autograd Function's references to its saved tensors during its backward,
+    once they were unpacked (`ctx.saved_tensors`, with PyTorch's version check): the backward
+    then frees each as soon as it is done with it, as eager's nodes do. Not when the graph is
+    retained (`retain_graph=True`): a later backward unpacks them again. Registering hooks on
+    a saved tensor packs it (here: into nothing) and drops the node's own reference."""
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        return
+    for saved in ctx._raw_saved_tensors:  # type: ignore[attr-defined]
+        saved.register_hooks(_dropped, _dropped)
+
+
+def _dropped(_: object) -> None:
+    return None
