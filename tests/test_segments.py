@@ -5,6 +5,10 @@ from __future__ import annotations
 import copy
 import weakref
 
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime
 import pytest
 import torch
 from conftest import (
@@ -192,3 +196,40 @@ def test_the_stash_is_freed_segment_by_segment(monkeypatch):
     assert alive[0] == len(stash) > 0
     assert alive == sorted(alive, reverse=True) and alive[-1] < alive[0], alive
     assert all(ref() is None for ref in stash)
+
+
+def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
+    """The stage on its own: a backward-like chain (each step reads one stashed input) cut in
+    three; run in order, the segments give the whole graph's outputs, and each stashed input is
+    read by one segment only."""
+    steps = 6
+    stash = [f"saved{i}" for i in range(steps)]
+    nodes, current = [], "grad"
+    for i, name in enumerate(reversed(stash)):
+        nodes.append(oh.make_node("Mul", [current, name], [f"g{i}"]))
+        nodes.append(oh.make_node("ReduceSum", [f"g{i}"], [f"w{i}"], keepdims=0))
+        current = f"g{i}"
+    vector = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["n"])
+              for n in ["grad", *stash]]
+    model = oh.make_model(
+        oh.make_graph(nodes, "chain", vector, [
+            oh.make_tensor_value_info(current, onnx.TensorProto.FLOAT, ["n"]),
+            *(oh.make_tensor_value_info(f"w{i}", onnx.TensorProto.FLOAT, [])
+              for i in range(steps)),
+        ]),
+        opset_imports=[oh.make_opsetid("", 18)],
+    )
+    segments = segment.split(model, set(stash), 3, {"n": 4096})
+    assert len(segments) == 3
+    readers = [{value.name for value in part.graph.input} & set(stash) for part in segments]
+    assert sum(map(len, readers)) == steps and set().union(*readers) == set(stash)
+    feeds = {name: np.random.rand(8).astype(np.float32) for name in ["grad", *stash]}
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
+    values = dict(feeds)
+    for part in segments:
+        session = onnxruntime.InferenceSession(part.SerializeToString())
+        wanted = [value.name for value in part.graph.input]
+        values.update(zip([o.name for o in part.graph.output],
+                          session.run(None, {name: values[name] for name in wanted})))
+    for output, want in zip(model.graph.output, expected):
+        np.testing.assert_allclose(values[output.name], want, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Stage 5, segment: one backward ONNX graph -> a few graphs run in order, upper blocks first.
+"""Segment, after to_onnx: one backward ONNX graph -> a few graphs run in order, upper blocks first.
 
 One ORT run of the whole backward holds every stashed tensor until it returns; eager autograd
 frees each saved tensor as its backward passes the node. Run as segments, the stash a segment
