@@ -173,10 +173,12 @@ def _mark_build_stages(timeline: Timeline) -> None:
 
 
 def probe_train(
-    workload: str, config: str, loop: str, batch: int, steps: int, stages: bool = False
+    workload: str, config: str, loop: str, batch: int, steps: int, stages: bool = False,
+    segments: int | None = None,
 ) -> dict:
     """A plain training loop, as a user writes it, with the timeline of its resident set;
-    `stages`: also mark the build's stages (a diagnostic run, not a figure of the tables)."""
+    `stages`: also mark the build's stages (a diagnostic run, not a figure of the tables);
+    `segments`: lazygrad's backward segments (None: its default)."""
     timeline = Timeline()
     timeline.mark("python")
     import torch
@@ -198,7 +200,8 @@ def probe_train(
     torch.manual_seed(0)
     model = models.BertPretraining(bert)
     if lazy:
-        model = lazygrad.lazy(model, policy=config)
+        model = lazygrad.lazy(model, policy=config,
+                              **({} if segments is None else {"segments": segments}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids, mlm_labels, nsp_labels = models.bert_batch(bert, batch=batch, seq=shape.seq)
     timeline.mark("model, optimizer, batch")
@@ -321,9 +324,12 @@ class Run:
         return self.timeline[position]["peak"] - self.timeline[position - 1]["rss"]
 
 
-def run_fresh(spec: dict, limit_mib: float | None = None, timeout: float = 600) -> Run:
-    """Run one probe in a new process (and memory group, where one can be made)."""
-    cache = tempfile.mkdtemp(prefix="lazygrad-memory-cache-")
+def run_fresh(spec: dict, limit_mib: float | None = None, timeout: float = 600,
+              cache: str | None = None) -> Run:
+    """Run one probe in a new process (and memory group, where one can be made). `cache`: a
+    lazygrad disk cache folder to use and keep (default: a new empty one, removed after)."""
+    kept = cache is not None
+    cache = cache or tempfile.mkdtemp(prefix="lazygrad-memory-cache-")
     env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
     env["LAZYGRAD_CACHE_DIR"] = cache
     group = MemoryCgroup(None if limit_mib is None else int(limit_mib * MIB)) if CGROUP else None
@@ -357,7 +363,8 @@ def run_fresh(spec: dict, limit_mib: float | None = None, timeout: float = 600) 
                 setattr(run, key, value)
         return run
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(cache, ignore_errors=True)
         if group:
             group.remove()
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from lazygrad import attach, runtime
-from lazygrad.options import Options
+from lazygrad.options import SEGMENTS, Options
 from lazygrad.runtime import Runtime
 from lazygrad.stats import Stats
 
@@ -24,7 +24,7 @@ def lazy(target: M, /) -> M: ...
 @overload
 def lazy(
     *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
-    wait_for_builds: bool | None = None,
+    wait_for_builds: bool | None = None, segments: int = SEGMENTS,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -36,6 +36,7 @@ def lazy(
     cache_size: int = 64,
     strict: bool = False,
     wait_for_builds: bool | None = None,
+    segments: int = SEGMENTS,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -51,8 +52,10 @@ def lazy(
     wait_for_builds: block the step that needs new graphs until they are built. By default
     (False, or the environment's LAZYGRAD_WAIT_FOR_BUILDS=1) such steps run in eager PyTorch
     while the graphs build on a background thread, and the first call after that runs in ORT.
+    segments: run each backward as up to this many graphs in order (cut where the stash is
+    released), freeing the stashed tensors each has read last as it returns; 1: one graph.
     """
-    options = Options(policy=policy, cache_size=cache_size, strict=strict)
+    options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments)
     if wait_for_builds is not None:
         options = dataclasses.replace(options, wait_for_builds=wait_for_builds)
 

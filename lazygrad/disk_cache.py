@@ -29,7 +29,7 @@ import torch
 from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
-MAGIC = b"LAZYGRAD-GRAPHS-5\n"
+MAGIC = b"LAZYGRAD-GRAPHS-6\n"
 INDEX_MAGIC = b"LAZYGRAD-INDEX-1\n"
 _DEFAULT = Path(__file__).resolve().parent.parent / "cache"
 
@@ -118,15 +118,14 @@ class DiskCache:
             Path(temporary).unlink(missing_ok=True)
 
 
-_MODELS = ("forward", "backward")
-
-
 def _encode(graphs: Graphs) -> bytes:
+    """MAGIC, SHA-256 of the payload; payload: header length, the JSON header (the plain fields
+    and the length of each model), then the models: forward, backward, backward segments."""
     fields = {f.name: getattr(graphs, f.name) for f in dataclasses.fields(graphs)}
-    models = [fields.pop(name) for name in _MODELS]
-    header = json.dumps(_plain(fields)).encode()
+    models = [fields.pop("forward"), fields.pop("backward"), *fields.pop("backward_segments")]
     blobs = [b"" if model is None else model.SerializeToString() for model in models]
-    payload = struct.pack("<QQQ", len(header), *(len(b) for b in blobs)) + header + b"".join(blobs)
+    header = json.dumps({**_plain(fields), "models": [len(blob) for blob in blobs]}).encode()
+    payload = struct.pack("<Q", len(header)) + header + b"".join(blobs)
     return MAGIC + hashlib.sha256(payload).digest() + payload
 
 
@@ -147,18 +146,19 @@ def _decode(data: bytes) -> Graphs | None:
     checksum, payload = body[:32], body[32:]
     if len(checksum) < 32 or hashlib.sha256(payload).digest() != checksum:
         return None
-    header_length, forward_length, backward_length = struct.unpack("<QQQ", payload[:24])
-    offset = 24 + header_length
-    header = json.loads(payload[24:offset])
-    forward = onnx.load_from_string(payload[offset : offset + forward_length])
-    offset += forward_length
-    backward = (
-        onnx.load_from_string(payload[offset : offset + backward_length])
-        if backward_length else None
-    )
+    (header_length,) = struct.unpack("<Q", payload[:8])
+    offset = 8 + header_length
+    header = json.loads(payload[8:offset])
+    models: list[onnx.ModelProto | None] = []
+    for length in header["models"]:
+        blob = payload[offset : offset + length]
+        models.append(onnx.load_from_string(blob) if length else None)
+        offset += length
+    forward, backward, *segments = models
     return Graphs(
         forward=forward,
         backward=backward,
+        backward_segments=segments,
         forward_feeds=[Feed(**f) for f in header["forward_feeds"]],
         backward_feeds=[Feed(**f) for f in header["backward_feeds"]],
         mutations=[tuple(m) for m in header["mutations"]],

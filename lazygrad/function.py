@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lazygrad.capture.private import release_saved_tensors
+
 
 class Step(Protocol):
     """One call's forward and backward, as the runtime runs them (see `step.Step`)."""
@@ -23,9 +25,10 @@ class Step(Protocol):
         """Outputs, and the tensors to save for backward."""
 
     def backward(
-        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
+        self, saved: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
-        """Gradient of each input (None where it is unreachable from the outputs given grads)."""
+        """Gradient of each input (None where it is unreachable from the outputs given grads).
+        `saved` is handed over (emptied), so that each tensor can be freed once used."""
 
 
 class Probe(Protocol):
@@ -53,7 +56,9 @@ class LazyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         _refuse_double_backward()
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        # From here the step holds the only references: it frees the stash as it goes.
+        release_saved_tensors(ctx)
         return (None, *ctx.step.backward(saved, grads))
 
 

@@ -3,6 +3,10 @@
 Knows how to feed each graph (primals, random draws, forward results, cotangents), how to turn
 forward results into the module's outputs (views applied in torch), which state the forward
 updated, and for which sizes the graphs hold. Sessions are made per device on first use.
+
+A backward cut into segments (`capture/segment.py`) runs them in order; after each, the pair
+drops its references to the stashed tensors and passed values no later segment reads, so that
+torch frees them while the rest of the backward runs (the caller hands its references over).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class GraphPair:
         # Where each graph input sits among the call's values, per count of each kind of value.
         self._positions: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._output_views = [(slot.index, _views(slot.views)) for slot in graphs.outputs]
+        self._segments = _schedule(graphs) if graphs.backward_segments else []
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -53,8 +58,9 @@ class GraphPair:
 
     # ---- running -----------------------------------------------------------------------------
 
-    def session(self, which: str, device: torch.device) -> GraphSession:
-        key = (which, device if device.type == "cpu" else _device_key(device))
+    def session(self, which: str, device: torch.device, segment: int | None = None) -> GraphSession:
+        """The session of the forward or the backward graph (`segment`: of that segment)."""
+        key = (which, segment, device if device.type == "cpu" else _device_key(device))
         found = self._sessions.get(key)
         if found is not None:
             return found
@@ -62,15 +68,15 @@ class GraphPair:
             found = self._sessions.get(key)
             if found is None:
                 forward = which == "forward"
-                model = self.graphs.forward if forward else self.graphs.backward
+                whole = self.graphs.forward if forward else self.graphs.backward
                 feeds = self.graphs.forward_feeds if forward else self.graphs.backward_feeds
-                persistent = frozenset(
-                    value.name for value, feed in zip(model.graph.input, feeds)
+                state = frozenset(
+                    value.name for value, feed in zip(whole.graph.input, feeds)
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
-                found = self._sessions[key] = GraphSession(
-                    model, device, persistent, arena=not forward
-                )
+                model = whole if segment is None else self.graphs.backward_segments[segment]
+                found = self._sessions[key] = GraphSession(model, device, state,
+                                                           arena=not forward)
             return found
 
     def forward(
@@ -99,13 +105,15 @@ class GraphPair:
     def backward(
         self,
         primals: Sequence[torch.Tensor],
-        draws: Sequence[torch.Tensor],
-        results: Sequence[torch.Tensor | None],
+        draws: list[torch.Tensor],
+        results: list[torch.Tensor | None],
         cotangents: Sequence[torch.Tensor | None],
         device: torch.device,
     ) -> list[torch.Tensor | None]:
-        """A gradient per primal (None where no masked output reaches it)."""
-        session = self.session("backward", device)
+        """A gradient per primal (None where no masked output reaches it).
+
+        `draws` and `results` are handed over: the lists are emptied, and a segmented backward
+        drops each of their tensors once no later segment reads it."""
         values = [
             *primals, *draws, *results,
             *(None if grad is None else grad.contiguous() for grad in cotangents),
@@ -113,12 +121,32 @@ class GraphPair:
         positions = self._feed_positions(
             "backward", len(primals), len(draws), len(results), len(cotangents)
         )
+        draws.clear()
+        results.clear()
+        inputs = list(map(values.__getitem__, positions))
+        del values
+        if self._segments:
+            outputs = self._run_segments(inputs, device)
+        else:
+            outputs = self.session("backward", device).run(inputs)
         grads: list[torch.Tensor | None] = [None] * len(primals)
-        for index, grad in zip(
-            self.graphs.grads_for, session.run(list(map(values.__getitem__, positions)))
-        ):
+        for index, grad in zip(self.graphs.grads_for, outputs):
             grads[index] = grad
         return grads
+
+    def _run_segments(self, inputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The backward's outputs, its segments run in order; `inputs` (the whole graph's, in
+        its order) is emptied, and each value is dropped after the last segment that reads it."""
+        names = [value.name for value in self.graphs.backward.graph.input]
+        live = dict(zip(names, inputs))
+        inputs.clear()
+        for index, (reads, makes, done) in enumerate(self._segments):
+            made = self.session("backward", device, index).run(list(map(live.__getitem__, reads)))
+            live.update(zip(makes, made))
+            del made
+            for name in done:
+                del live[name]
+        return [live[value.name] for value in self.graphs.backward.graph.output]
 
     def _feed_positions(self, which: str, *counts: int) -> list[int]:
         """Where each input of the `which` graph sits in the concatenated values it is fed
@@ -139,6 +167,28 @@ class GraphPair:
 
 
 _KINDS = ("primal", "random", "saved", "cotangent")
+
+# One segment of a backward: the names it reads, the names it makes, the names no later segment
+# reads (nor the backward returns): dropped once it has run.
+_Segment = tuple[list[str], list[str], list[str]]
+
+
+def _schedule(graphs: Graphs) -> list[_Segment]:
+    """Each segment's reads, makes and drops; the first also drops the inputs no segment reads."""
+    wanted = {value.name for value in graphs.backward.graph.output}
+    segments = [
+        ([value.name for value in model.graph.input], [value.name for value in model.graph.output])
+        for model in graphs.backward_segments
+    ]
+    unread = {value.name for value in graphs.backward.graph.input} - wanted - {
+        name for reads, _ in segments for name in reads
+    }
+    schedule: list[_Segment] = []
+    for index, (reads, makes) in enumerate(segments):
+        later = {name for reads_later, _ in segments[index + 1:] for name in reads_later}
+        done = (set(reads) | set(makes) | (unread if index == 0 else set())) - later - wanted
+        schedule.append((reads, makes, sorted(done)))
+    return schedule
 
 
 def _positions(feeds: Sequence[Feed], counts: tuple[int, ...]) -> list[int]:

@@ -479,7 +479,7 @@ class Runtime:
         if graphs is not None:
             self._index(entry, mask, key)
             return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
-        graphs = export(captured)
+        graphs = export(captured, self.options.segments)
         pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
         checked = time.perf_counter()
         for which in ("forward", "backward") if graphs.backward is not None else ("forward",):
@@ -516,7 +516,7 @@ class Runtime:
                 f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
             )
         return captured, captured.fingerprint(mask, self.options.policy == "recompute",
-                                              disk_cache.versions())
+                                              self.options.segments, disk_cache.versions())
 
     # ---- the disk index: a new process serves known signatures without tracing -------------
 
@@ -526,7 +526,7 @@ class Runtime:
         if self._disk is None:
             return None
         return index_key(self.module, signature, list(state), self.options.policy,
-                         disk_cache.versions())
+                         self.options.segments, disk_cache.versions())
 
     def _serve_from_index(self, signature: Signature, call: FlatCall, state: dict,
                           key: str) -> bool:

@@ -73,16 +73,20 @@ class Step:
         return outputs, [*kept_primals, *draws, *map(results.__getitem__, read)]
 
     def backward(
-        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
+        self, saved: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
+        """`saved` (what `forward` kept) is handed over and emptied: the pair's backward frees
+        each stashed tensor once no later segment reads it."""
         count, draw_count, _ = self._layout
-        primals = list(saved[:count])
-        draws = list(saved[count : count + draw_count])
+        primals = saved[:count]
+        draws = saved[count : count + draw_count]
+        kept = saved[count + draw_count :]
+        saved.clear()
         mask = tuple(g is not None for g in grads)
         if not any(mask):
             return [None] * count
         if self.policy == "all":
-            return self._backward_all(primals, draws, saved[count + draw_count :], grads, mask)
+            return self._backward_all(primals, draws, kept, grads, mask)
         pair = self._pair_for(mask, primals, grads)
         if pair is None:
             return self._eager_backward(primals, grads, self._generator_state)
@@ -90,17 +94,18 @@ class Step:
         if self.policy == "recompute":
             return pair.backward(primals, draws, [], grads, self.device)
         if pair is self.pair:
-            results = self._results(saved[count + draw_count :])
+            results = self._results(kept)
         else:
             self._on_recompute()
             results = pair.forward(primals, draws, self.device)
+        del kept
         return pair.backward(primals, draws, results, grads, self.device)
 
     def _backward_all(
         self,
         primals: list[torch.Tensor],
         draws: list[torch.Tensor],
-        kept: tuple[torch.Tensor, ...],
+        kept: list[torch.Tensor],
         grads: tuple[torch.Tensor | None, ...],
         mask: tuple[bool, ...],
     ) -> list[torch.Tensor | None]:
@@ -109,6 +114,7 @@ class Step:
         if pair is None:
             return self._eager_backward(primals, grads, self._generator_state)
         results = self._results(kept)
+        kept.clear()
         cotangents = [
             grad if grad is not None or not wanted
             else torch.zeros(shape, dtype=dtype, device=self.device)
@@ -119,7 +125,7 @@ class Step:
             gradients[primal] = None
         return gradients
 
-    def _results(self, kept: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    def _results(self, kept: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The forward results the backward reads, at their indices (None elsewhere)."""
         read = self._layout[2]
         results: list[torch.Tensor | None] = [None] * (max(read, default=-1) + 1)

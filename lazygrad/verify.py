@@ -4,7 +4,8 @@ The exporter's translations are not PyTorch: a translation bug (torchlib once ma
 `nll_loss_forward`'s total_weight a constant, and gradients came out 32x too large) would train
 silently wrong. So before a pair serves a step, its forward and backward run in ONNX Runtime
 and, as FX graphs, in torch, on the call's real inputs (and the step's real cotangents where
-known); a mismatch raises, and the runtime falls back with the reason.
+known); a mismatch raises, and the runtime falls back with the reason. A backward cut into
+segments is checked as it runs: segment after segment, against the whole FX backward.
 """
 
 from __future__ import annotations

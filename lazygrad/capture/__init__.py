@@ -4,8 +4,9 @@ own derivative formulas.
 The stages, each callable alone: `trace` (AOTAutograd over functional_call on fake tensors),
 `partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
 and how to feed each graph), `peephole` (the same values in fewer passes over memory),
-`to_onnx` (direct translation). `capture` runs the first three,
-`export` the last; in between, `fingerprint` keys the on-disk cache.
+`to_onnx` (direct translation), `segment` (the backward cut into graphs run in order, to free
+the stash as it goes). `capture` runs the first three, `export` the last two; in between,
+`fingerprint` keys the on-disk cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import onnx
 import torch
 import torch.fx as fx
 
-from lazygrad.capture import head, partition, peephole, symbols, tidy, to_onnx, trace
+from lazygrad.capture import head, partition, peephole, segment, symbols, tidy, to_onnx, trace
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
@@ -49,6 +50,9 @@ class Graphs:
 
     forward: onnx.ModelProto
     backward: onnx.ModelProto | None
+    # The backward cut into graphs run in order (inputs and outputs named as in `backward`,
+    # plus the values passed between them); empty: the backward runs whole.
+    backward_segments: list[onnx.ModelProto]
     forward_feeds: list[Feed]  # per ONNX forward input, in input order
     backward_feeds: list[Feed]  # per ONNX backward input, in input order
     mutations: list[tuple[int, int]]  # (forward result, primal) written back after the forward
@@ -144,8 +148,9 @@ def capture(
     )
 
 
-def export(captured: Captured) -> Graphs:
-    """Translate both graphs to ONNX; map each ONNX input to where its value comes from."""
+def export(captured: Captured, segments: int = 1) -> Graphs:
+    """Translate both graphs to ONNX; map each ONNX input to where its value comes from; cut
+    the backward into at most `segments` graphs (1: whole)."""
     started = time.perf_counter()
     tidied = captured.tidy
     try:
@@ -154,15 +159,28 @@ def export(captured: Captured) -> Graphs:
     except Exception as error:
         where = captured.untranslatable[0][1] if captured.untranslatable else None
         raise CaptureError(f"ONNX export failed: {_innermost(error)}", where) from error
+    backward_feeds = (
+        _feeds_by_name(backward, tidied.backward, tidied.backward_feeds)
+        if backward is not None and tidied.backward is not None else []
+    )
     seconds = dict(captured.seconds, export=time.perf_counter() - started)
+    cut = []
+    if backward is not None and tidied.backward is not None and segments > 1:
+        started = time.perf_counter()
+        stash = {  # what the backward alone holds: forward results and random draws
+            value.name for value, feed in zip(backward.graph.input, backward_feeds)
+            if feed.kind in ("saved", "random")
+        }
+        inputs = partition.placeholders(tidied.backward)
+        example = symbols.hints([p.meta.get("val") for p in inputs])
+        cut = segment.split(backward, stash, segments, example)
+        seconds["segment"] = time.perf_counter() - started
     return Graphs(
         forward=forward,
         backward=backward,
+        backward_segments=cut,
         forward_feeds=_feeds_by_name(forward, tidied.forward, tidied.forward_feeds),
-        backward_feeds=(
-            _feeds_by_name(backward, tidied.backward, tidied.backward_feeds)
-            if backward is not None and tidied.backward is not None else []
-        ),
+        backward_feeds=backward_feeds,
         mutations=tidied.mutations,
         outputs=tidied.outputs,
         grads_for=tidied.grads_for,

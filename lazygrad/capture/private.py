@@ -111,8 +111,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "queue_at_backward_end", *_LAZY]
-
+__all__ = ["compiling", "queue_at_backward_end", "release_saved_tensors", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -127,3 +126,19 @@ def __getattr__(name: str) -> Any:
     value = value if attribute is None else getattr(value, attribute)
     globals()[name] = value  # the next look-up is a plain attribute
     return value
+
+
+def release_saved_tensors(ctx: object) -> None:
+    """Drop a custom autograd Function's references to its saved tensors during its backward,
+    once they were unpacked (`ctx.saved_tensors`, with PyTorch's version check): the backward
+    then frees each as soon as it is done with it, as eager's nodes do. Not when the graph is
+    retained (`retain_graph=True`): a later backward unpacks them again. Registering hooks on
+    a saved tensor packs it (here: into nothing) and drops the node's own reference."""
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        return
+    for saved in ctx._raw_saved_tensors:  # type: ignore[attr-defined]
+        saved.register_hooks(_dropped, _dropped)
+
+
+def _dropped(_: object) -> None:
+    return None

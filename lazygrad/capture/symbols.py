@@ -58,6 +58,19 @@ def locations(values: Sequence[object]) -> Locations:
     return where
 
 
+def hints(values: Sequence[object]) -> dict[str, int]:
+    """The example value the trace saw for each symbol that is a whole dimension of `values`
+    (fake tensors)."""
+    found = {}
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                        and size.node.has_hint():
+                    found[size.node.expr.name] = int(size.node.hint)
+    return found
+
+
 def sizes(tensors: Sequence[torch.Tensor], where: Locations) -> dict[str, int]:
     """The value of every symbol for a call with these tensors."""
     return {name: tensors[index].shape[dim] for name, (index, dim) in where.items()}
