@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad.capture import draws, grouped_mm, lowerings, private, symbols
+from lazygrad.capture import draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -78,6 +78,10 @@ def onnx_registry() -> Any:
     custom ops join once the library has defined them, so each call looks again. And
     `sort.stable` (lowerings.stable_sort) with torchlib's `sort`: ONNX's TopK, which breaks
     ties by index, is a stable sort."""
+    # Imported here, as the exporter is (`private`): its translations need onnxscript, which a
+    # process that only loads built graphs never imports.
+    from lazygrad.capture import grouped_mm
+
     global _REGISTRY
     with _registry_lock:
         if _REGISTRY is None:
