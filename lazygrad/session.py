@@ -83,6 +83,9 @@ class GraphSession:
         # run: without an arena each is fresh memory from the system every step, whose pages
         # fault in at first touch (measured: a logits-sized elementwise pass 2-5x slower).
         options.enable_cpu_mem_arena = self.arena
+        if self.arena and self.device.type == "cpu":
+            _register_shared_cpu_arena()
+            options.add_session_config_entry("session.use_env_allocators", "1")
         # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
         # the user's loss and optimizer right after, then wait on cores the spinners hold
         # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the
@@ -281,3 +284,24 @@ def _to_ortvalue(tensor: torch.Tensor) -> ort_c.OrtValue:
     if tensor.dtype == torch.bool:
         return ort_c.OrtValue.from_dlpack(to_dlpack(tensor.view(torch.uint8)), True)
     return ort_c.OrtValue.from_dlpack(to_dlpack(tensor), False)
+
+
+_arena_lock = threading.Lock()
+_arena_registered = False
+
+
+def _register_shared_cpu_arena() -> None:
+    """One CPU arena for every backward session of the process, grown by what is asked
+    (kSameAsRequested), not by powers of two: sessions run one at a time on a thread, so a
+    model's backward segments, and other models' backwards, reuse the same memory instead of
+    each keeping its own peak."""
+    global _arena_registered
+    with _arena_lock:
+        if _arena_registered:
+            return
+        info = onnxruntime.OrtMemoryInfo(
+            "Cpu", onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+            onnxruntime.OrtMemType.DEFAULT,
+        )
+        onnxruntime.create_and_register_allocator(info, onnxruntime.OrtArenaCfg(0, 1, -1, -1))
+        _arena_registered = True
