@@ -430,7 +430,8 @@ class Runtime:
         """Until the builds running or queued for this module (and its parts) have ended."""
         with self._lock:
             futures = list(self._building.values())
-        concurrent.futures.wait(futures, timeout=timeout)
+        with turns.between_steps():
+            concurrent.futures.wait(futures, timeout=timeout)
         for _, part in self._parts or []:
             part.wait_for_builds(timeout)
 

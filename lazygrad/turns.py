@@ -20,6 +20,7 @@ _condition = threading.Condition()
 _waiting = False  # a check waits for its turn
 _granted = False  # a training thread paused at the end of its backward for the check
 _closing = False  # the process exits: a check waits no longer
+_idle = 0  # threads waiting for builds (`between_steps`): no step of theirs holds memory
 
 
 @contextlib.contextmanager
@@ -30,7 +31,7 @@ def check_turn(patience: float = 60.0) -> Iterator[None]:
     with _condition:
         _waiting = True
         try:
-            _condition.wait_for(lambda: _granted or _closing, timeout=patience)
+            _condition.wait_for(lambda: _granted or _closing or _idle, timeout=patience)
         finally:
             _waiting = False
     try:
@@ -51,6 +52,22 @@ def backward_ended() -> None:
         _granted = True
         _condition.notify_all()
         _condition.wait_for(lambda: not _granted)
+
+
+@contextlib.contextmanager
+def between_steps() -> Iterator[None]:
+    """Around a thread's wait for builds (`lazygrad.wait_for_builds`): it is between two steps,
+    so a check waiting for its turn runs now, not after its patience (a loop that waits for its
+    graphs runs no backward meanwhile)."""
+    global _idle
+    with _condition:
+        _idle += 1
+        _condition.notify_all()
+    try:
+        yield
+    finally:
+        with _condition:
+            _idle -= 1
 
 
 def stop_waiting() -> None:

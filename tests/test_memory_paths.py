@@ -134,3 +134,21 @@ def test_import_lazygrad_imports_neither_the_exporter_nor_dynamo():
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout.strip()
     assert found == "[]"
+
+
+def test_a_check_waiting_for_its_turn_runs_while_a_thread_waits_for_builds():
+    """`lazygrad.wait_for_builds` is between steps: a check runs then, not after its patience."""
+    ran = threading.Event()
+
+    def check():
+        with turns.check_turn(patience=30.0):
+            ran.set()
+
+    worker = threading.Thread(target=check)
+    started = time.perf_counter()
+    worker.start()
+    time.sleep(0.2)  # the check is waiting for its turn
+    with turns.between_steps():
+        assert ran.wait(5.0)
+    worker.join()
+    assert time.perf_counter() - started < 10.0
