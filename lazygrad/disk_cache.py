@@ -19,8 +19,10 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnxruntime
@@ -48,6 +50,27 @@ def versions() -> tuple[str, ...]:
             onnxruntime.__version__)
 
 
+def _read(path: Path, decode: Callable[[bytes], Any]) -> Any:
+    """`decode` of the file's bytes; None if absent, or if damaged (`decode` gives None: the
+    file is removed, to be written again)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    found = decode(data)
+    if found is None:
+        path.unlink(missing_ok=True)
+    return found
+
+
+def _decode_record(data: bytes) -> dict | None:
+    body = data[len(INDEX_MAGIC):]
+    checksum, payload = body[:32], body[32:]
+    if not data.startswith(INDEX_MAGIC) or hashlib.sha256(payload).digest() != checksum:
+        return None
+    return json.loads(payload)
+
+
 class DiskCache:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -57,15 +80,7 @@ class DiskCache:
 
     def load(self, key: str) -> Graphs | None:
         """The stored graphs, or None if absent or damaged (a damaged file is removed)."""
-        path = self._path(key)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        graphs = _decode(data)
-        if graphs is None:
-            path.unlink(missing_ok=True)
-        return graphs
+        return _read(self._path(key), _decode)
 
     def store(self, key: str, graphs: Graphs) -> None:
         """Write atomically; a cache that cannot be written is skipped, never fatal."""
@@ -78,17 +93,7 @@ class DiskCache:
 
     def read_record(self, key: str) -> dict | None:
         """The index record, or None if absent or damaged (a damaged one is removed)."""
-        path = self._record_path(key)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        body = data[len(INDEX_MAGIC):]
-        checksum, payload = body[:32], body[32:]
-        if not data.startswith(INDEX_MAGIC) or hashlib.sha256(payload).digest() != checksum:
-            path.unlink(missing_ok=True)
-            return None
-        return json.loads(payload)
+        return _read(self._record_path(key), _decode_record)
 
     def write_record(self, key: str, record: dict) -> None:
         payload = json.dumps(record).encode()
