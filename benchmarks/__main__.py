@@ -121,6 +121,8 @@ def _rows(
                 steps_per_s=len(times) / sum(times) if with_throughput else None,
                 first_step_s=cold.first_step_s if cold else None,
                 ready_s=cold.ready_s if cold else None,
+                building_steps=cold.building_steps if cold else None,
+                building_median_s=cold.building_median_s if cold else None,
                 warm_first_step_s=cold.warm.first_step_s if cold and cold.warm else None,
                 warm_through_ort=cold.warm.through_ort if cold and cold.warm else None,
                 peak_mib=cold.peak_mib if cold else None,

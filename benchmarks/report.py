@@ -20,6 +20,8 @@ class Row:
     steps_per_s: float | None = None  # over every step of the phase, rebuilds included
     first_step_s: float | None = None  # fresh process: export, build, session creation, compile
     ready_s: float | None = None  # fresh process, lazygrad: first step's start to graphs ready
+    building_steps: int | None = None  # fresh process, lazygrad: eager steps meanwhile
+    building_median_s: float | None = None  # their median
     # lazygrad: a second fresh process on the disk cache the first filled: its first step, and
     # whether that step ran through ORT (no eager step)
     warm_first_step_s: float | None = None
@@ -47,7 +49,7 @@ class BuildRow:
 
 HEADER = (
     "workload", "peer", "median step ms", "x eager", "steps/s", "first step s",
-    "graphs ready s", "first step s, warm cache", "peak MiB", "exports", "builds", "hit rate",
+    "graphs ready s (eager steps meanwhile, median)", "first step s, warm cache", "peak MiB", "exports", "builds", "hit rate",
 )
 PHASES = ("trace", "export", "check")
 BUILD_HEADER = (
@@ -91,13 +93,21 @@ def cells(row: Row) -> list[str]:
         _cell(row.ratio, ".2f"),
         _cell(row.steps_per_s, ".1f"),
         _cell(row.first_step_s, ".2f"),
-        _cell(row.ready_s, ".1f"),
+        _ready_cell(row),
         _warm_cell(row),
         _cell(row.peak_mib, ".0f"),
         _cell(row.exports, "d"),
         _cell(row.builds, "d"),
         _cell(row.hit_rate, ".1%"),
     ]
+
+
+def _ready_cell(row: Row) -> str:
+    if row.ready_s is None:
+        return MISSING
+    if not row.building_steps:
+        return f"{row.ready_s:.1f}"
+    return f"{row.ready_s:.1f} ({row.building_steps} eager, {row.building_median_s:.2f} s)"
 
 
 def _warm_cell(row: Row) -> str:

@@ -5,6 +5,12 @@ inside a backward, and with another thread's backward running at the same time A
 process-global node-metadata bookkeeping broke ("Expected current_level > 0"). On a thread of
 its own the trace never nests in an autograd call, and traces never overlap.
 
+A build asked for inside a backward (a mask first seen there) starts when that backward ends:
+beside a build, the rest of that backward ran 3-5 times slower on 2 cores (the trace is Python
+holding the GIL that the engine's hooks need, and takes a core from torch's threads), which made
+the first step of a signature 2-3x an eager one (benchmarks/fresh.py). A backward that raises
+runs no end callback, so a build waits for it at most `_BACKWARD_PATIENCE` seconds.
+
 At exit, builds still queued are dropped and the one running is waited for: a daemon thread
 torn down inside ORT or torch's native code aborted the process ("terminate called without an
 active exception"), and a `ThreadPoolExecutor` would run every queued build first.
@@ -23,12 +29,13 @@ from typing import Any, TypeVar
 import torch
 
 from lazygrad import heap, turns
+from lazygrad.capture import private
 
 T = TypeVar("T")
 
-_jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
-    queue.SimpleQueue()
-)
+_Job = tuple[Callable[[], Any], concurrent.futures.Future, threading.Event]
+_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_BACKWARD_PATIENCE = 30.0
 _started = threading.Lock()
 _thread: threading.Thread | None = None
 _idle = threading.Lock()  # held while a build runs
@@ -37,7 +44,8 @@ _closing = threading.Event()
 
 def _work() -> None:
     while True:
-        build, future = _jobs.get()
+        build, future, backward_ended = _jobs.get()
+        backward_ended.wait(_BACKWARD_PATIENCE)
         with _idle:
             if _closing.is_set():
                 future.cancel()
@@ -49,7 +57,7 @@ def _work() -> None:
                 future.set_exception(error)
             # The job holds the build's inputs (a snapshot of the call's tensors): dropped
             # before the next job arrives, then what the build freed goes back (`heap.py`).
-            del build, future
+            del build, future, backward_ended
             heap.release_freed_memory()
 
 
@@ -62,20 +70,32 @@ def _close() -> None:
 
 
 def submit(build: Callable[[], T]) -> concurrent.futures.Future[T]:
-    """Queue `build()` for the builder thread; its future."""
+    """Queue `build()` for the builder thread, to start once the backward running on this
+    thread (if any) has ended; its future."""
+    backward_ended = threading.Event()
+    if private.in_backward():
+        private.queue_at_backward_end(backward_ended.set)
+    else:
+        backward_ended.set()
+    return _queue(build, backward_ended)
+
+
+def run(build: Callable[[], T]) -> T:
+    """`build()` on the builder thread, now; its result, or its exception."""
+    started = threading.Event()
+    started.set()
+    return _queue(build, started).result()
+
+
+def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures.Future[T]:
     global _thread
     with _started:
         if _thread is None:
             _thread = threading.Thread(target=_work, name="lazygrad-builder", daemon=True)
             _thread.start()
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
-    _jobs.put((build, future))
+    _jobs.put((build, future, start))
     return future
-
-
-def run(build: Callable[[], T]) -> T:
-    """`build()` on the builder thread; its result, or its exception."""
-    return submit(build).result()
 
 
 @contextlib.contextmanager

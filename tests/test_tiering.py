@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import pytest
@@ -87,6 +88,44 @@ def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
         assert ran_through_ort(out)
     stats = lazygrad.stats(lazy)
     assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
+
+
+def test_a_build_met_in_a_backward_starts_when_that_backward_ends(monkeypatch):
+    """The rest of the backward (here a slow node upstream of the model) runs without the build
+    beside it, and the build starts right after."""
+    times = {}
+    real = runtime.capture
+
+    def timed_capture(*args, **kwargs):
+        times["capture"] = time.perf_counter()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "capture", timed_capture)
+
+    class SlowUpstream(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.3)
+            times["backward ended"] = time.perf_counter()
+            return grad
+
+    lazy, eager = _pair()
+    x = torch.randn(6, 16, requires_grad=True)
+    out = lazy(SlowUpstream.apply(x))
+    want = eager(x)
+    for index, (got, expected) in enumerate(zip(out, want)):
+        assert_close(got.detach(), expected.detach(), f"output {index}")
+    out[0].sum().backward()
+    want[0].sum().backward()
+    assert_grads_equal(lazy, eager, "first step")
+    lazygrad.wait_for_builds(lazy)
+    assert times["capture"] >= times["backward ended"]
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 1 and stats.fallbacks == 0
 
 
 def test_a_new_mask_at_backward_is_served_eagerly_with_the_steps_draws_while_it_builds(

@@ -69,6 +69,11 @@ def compiling() -> Iterator[None]:
             os.environ[_TENSORIFY] = previous_tensorify
 
 
+def in_backward() -> bool:
+    """Whether this thread is inside an autograd backward now."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def queue_at_backward_end(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward running now ends (autograd engine's own queue)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -111,7 +116,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "queue_at_backward_end", "release_saved_tensors", *_LAZY]
+__all__ = ["compiling", "in_backward", "queue_at_backward_end", "release_saved_tensors", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
