@@ -9,7 +9,8 @@ A build asked for inside a backward (a mask first seen there) starts when that b
 beside a build, the rest of that backward ran 3-5 times slower on 2 cores (the trace is Python
 holding the GIL that the engine's hooks need, and takes a core from torch's threads), which made
 the first step of a signature 2-3x an eager one (benchmarks/fresh.py). A backward that raises
-runs no end callback, so a build waits for it at most `_BACKWARD_PATIENCE` seconds.
+runs no end callback, so a build waits for it at most `_BACKWARD_PATIENCE` seconds; so does a
+build told to start at some other event (`submit`'s `start`).
 
 At exit, builds still queued are dropped and the one running is waited for: a daemon thread
 torn down inside ORT or torch's native code aborted the process ("terminate called without an
@@ -44,8 +45,8 @@ _closing = threading.Event()
 
 def _work() -> None:
     while True:
-        build, future, backward_ended = _jobs.get()
-        backward_ended.wait(_BACKWARD_PATIENCE)
+        build, future, start = _jobs.get()
+        start.wait(_BACKWARD_PATIENCE)
         with _idle:
             if _closing.is_set():
                 future.cancel()
@@ -57,7 +58,7 @@ def _work() -> None:
                 future.set_exception(error)
             # The job holds the build's inputs (a snapshot of the call's tensors): dropped
             # before the next job arrives, then what the build freed goes back (`heap.py`).
-            del build, future, backward_ended
+            del build, future, start
             heap.release_freed_memory()
 
 
@@ -69,9 +70,13 @@ def _close() -> None:
         pass
 
 
-def submit(build: Callable[[], T]) -> concurrent.futures.Future[T]:
-    """Queue `build()` for the builder thread, to start once the backward running on this
-    thread (if any) has ended; its future."""
+def submit(build: Callable[[], T],
+           start: threading.Event | None = None) -> concurrent.futures.Future[T]:
+    """Queue `build()` for the builder thread, to start once `start` is set (at most
+    `_BACKWARD_PATIENCE` seconds later), by default once the backward running on this thread
+    (if any) has ended; its future."""
+    if start is not None:
+        return _queue(build, start)
     backward_ended = threading.Event()
     if private.in_backward():
         private.queue_at_backward_end(backward_ended.set)

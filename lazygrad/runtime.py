@@ -186,10 +186,14 @@ class Runtime:
         finally:
             _calling.active = False
         self._count_time(time.perf_counter() - started, clock.ort_seconds() - ort)
+        differentiable = []
         if torch.is_grad_enabled():
             with contextlib.suppress(ValueError):  # a result lazygrad cannot walk: untimed
-                clock.time_backward([t for t in tensors_of(result) if t.requires_grad],
-                                    self._backward_ended)
+                differentiable = [t for t in tensors_of(result) if t.requires_grad]
+        if differentiable:
+            clock.time_backward(differentiable, self._backward_ended)
+        else:
+            turns.call_ended()
         return result
 
     def _backward_ended(self, wall: float, ort: float) -> None:
@@ -571,7 +575,8 @@ class Runtime:
         (`_stale`). Waiting for builds (`Options.wait_for_builds`, strict), the trace runs before
         the pair serves a step, so steps are exactly those of a process without the index
         (tests and benchmarks rely on it); only the export and the check are saved. Otherwise
-        the pair serves steps at once and the trace runs on the builder thread meanwhile."""
+        the pair serves steps at once and the trace runs on the builder thread from the end of
+        this step (`turns.step_end`) on."""
         if self._disk is None or entry.index_key is None:
             return None
         if entry.index_key in self._distrusted:  # built anew, and the record written again
@@ -604,7 +609,7 @@ class Runtime:
         snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
         generation = self._generation
         future = builder.submit(lambda: self._confirm(
-            signature, entry, mask, snapshot, structure, expected))
+            signature, entry, mask, snapshot, structure, expected), start=turns.step_end())
         self._building[key] = future
         future.add_done_callback(lambda done: self._confirmed(key, entry, generation, done))
         return pair

@@ -8,6 +8,10 @@ activations freed), and that thread waits there until the check is done: one ste
 check's run, once per build. A check waits at most `patience` seconds for a backward (a loop that
 never runs one), then runs anyway, as it did before. Builds run one at a time (`builder.py`), so
 at most one check waits.
+
+The same ends of steps start the trace that confirms graphs served from the disk index
+(`step_end`): started at the call that met them, that trace shared the GIL and the cores with
+the first step of a warm process, which it made 3x an eager first step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,26 @@ _waiting = False  # a check waits for its turn
 _granted = False  # a training thread paused at the end of its backward for the check
 _closing = False  # the process exits: a check waits no longer
 _idle = 0  # threads waiting for builds (`between_steps`): no step of theirs holds memory
+_step_end = threading.Event()  # set when the step running now ends (`step_end`)
+
+
+def step_end() -> threading.Event:
+    """An event set when a step running now ends: at the end of a lazy module's backward, of a
+    call without gradients, or when a thread waits for builds."""
+    with _condition:
+        return _step_end
+
+
+def call_ended() -> None:
+    """At the end of a lazy module's call whose results need no backward: a step ended."""
+    with _condition:
+        _end_step()
+
+
+def _end_step() -> None:
+    global _step_end
+    _step_end.set()
+    _step_end = threading.Event()
 
 
 @contextlib.contextmanager
@@ -47,6 +71,7 @@ def backward_ended() -> None:
     now, and this thread waits until it is done."""
     global _granted
     with _condition:
+        _end_step()
         if not _waiting or _granted:
             return
         _granted = True
@@ -61,6 +86,7 @@ def between_steps() -> Iterator[None]:
     graphs runs no backward meanwhile)."""
     global _idle
     with _condition:
+        _end_step()
         _idle += 1
         _condition.notify_all()
     try:

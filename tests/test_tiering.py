@@ -90,10 +90,27 @@ def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
     assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
 
 
-def test_a_build_met_in_a_backward_starts_when_that_backward_ends(monkeypatch):
-    """The rest of the backward (here a slow node upstream of the model) runs without the build
-    beside it, and the build starts right after."""
-    times = {}
+class SlowUpstream(torch.autograd.Function):
+    """Upstream of a model: its backward runs last in a step's backward, slowly, and notes when
+    it ended in `times`."""
+
+    times: dict[str, float] = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.3)
+        SlowUpstream.times["backward ended"] = time.perf_counter()
+        return grad
+
+
+def _time_captures(monkeypatch) -> dict[str, float]:
+    """SlowUpstream's times, to which each capture adds when it started."""
+    times = SlowUpstream.times
+    times.clear()
     real = runtime.capture
 
     def timed_capture(*args, **kwargs):
@@ -101,31 +118,52 @@ def test_a_build_met_in_a_backward_starts_when_that_backward_ends(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "capture", timed_capture)
+    return times
 
-    class SlowUpstream(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
 
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(0.3)
-            times["backward ended"] = time.perf_counter()
-            return grad
-
-    lazy, eager = _pair()
+def _slow_step(lazy, eager, what):
     x = torch.randn(6, 16, requires_grad=True)
     out = lazy(SlowUpstream.apply(x))
     want = eager(x)
     for index, (got, expected) in enumerate(zip(out, want)):
-        assert_close(got.detach(), expected.detach(), f"output {index}")
-    out[0].sum().backward()
-    want[0].sum().backward()
-    assert_grads_equal(lazy, eager, "first step")
+        assert_close(got.detach(), expected.detach(), f"{what}: output {index}")
+    for module, outputs in ((lazy, out), (eager, want)):
+        module.zero_grad(set_to_none=True)
+        outputs[0].sum().backward()
+    assert_grads_equal(lazy, eager, what)
+    return out
+
+
+def test_a_build_met_in_a_backward_starts_when_that_backward_ends(monkeypatch):
+    """The rest of the backward (a slow node upstream of the model) runs without the build
+    beside it, and the build starts right after."""
+    times = _time_captures(monkeypatch)
+    lazy, eager = _pair()
+    _slow_step(lazy, eager, "first step")
     lazygrad.wait_for_builds(lazy)
     assert times["capture"] >= times["backward ended"]
     stats = lazygrad.stats(lazy)
     assert stats.builds == 1 and stats.fallbacks == 0
+
+
+def test_graphs_from_the_disk_index_are_confirmed_after_the_step_that_met_them(
+        monkeypatch, tmp_path):
+    """A second model on the disk cache the first filled runs through ORT from its first step;
+    the trace confirming its graphs starts when that step's backward has ended."""
+    monkeypatch.setenv("LAZYGRAD_CACHE_DIR", str(tmp_path))
+    first, eager = _pair()
+    _slow_step(first, eager, "first model")
+    lazygrad.wait_for_builds(first)
+    times = _time_captures(monkeypatch)
+    second = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)  # confirmed, not stale
+        out = _slow_step(second, eager, "second model, first step")
+        lazygrad.wait_for_builds(second)
+    assert ran_through_ort(out)
+    assert times["capture"] >= times["backward ended"]
+    stats = lazygrad.stats(second)
+    assert stats.disk_hits == 1 and stats.eager_steps == 0 and stats.fallbacks == 0
 
 
 def test_a_new_mask_at_backward_is_served_eagerly_with_the_steps_draws_while_it_builds(
