@@ -78,6 +78,7 @@ class SignatureEntry:
     template: OutputTemplate
     differentiable: Mask  # per flat tensor output: eager's requires_grad
     state_names: list[str]
+    device: torch.device  # of every tensor of the call and the module (part of the signature)
     plan: Mask | None = None  # the mask the forward stashes for; None until a backward
     index_key: str | None = None  # its records in the disk index (None: it has none)
 
@@ -242,7 +243,7 @@ class Runtime:
         if not pair.holds_for(env):
             # The trace assumed something of the sizes that this call breaks: exact sizes.
             return self._call(signature.with_shapes(call.tensors), call, state, args, kwargs)
-        device = _common_device(entry.state_names, primals)
+        device = entry.device
         try:
             if signature.grad:
                 outputs = LazyFunction.apply(self._step(signature, entry, pair, env, device),
@@ -295,6 +296,8 @@ class Runtime:
             template, tensors = OutputTemplate.of(result)
         except ValueError as error:
             return self._fall_back(signature, call, args, kwargs, str(error), result)
+        primals = [*state.values(), *call.tensors]
+        device = _common_device(list(state), primals)
         with self._lock:
             self.stats.eager_steps += 1
             entry = self._entries.get(signature)
@@ -305,10 +308,9 @@ class Runtime:
                     template=template,
                     differentiable=tuple(t.requires_grad for t in tensors),
                     state_names=list(state),
+                    device=device,
                     index_key=key,
                 )
-        primals = [*state.values(), *call.tensors]
-        device = _common_device(entry.state_names, primals)
         if not signature.grad:
             try:
                 self._pair_for(signature, entry, None, primals, None, device)
@@ -545,17 +547,18 @@ class Runtime:
             template = OutputTemplate.from_json(record["template"])
         except Exception:  # a structure this process cannot rebuild: a miss, never an error
             return False
+        primals = [*state.values(), *call.tensors]
+        device = _common_device(list(state), primals)
         entry = SignatureEntry(
             id=f"s{next(self._ids)}",
             call=call.without_tensors(),
             template=template,
             differentiable=tuple(record["differentiable"]),
             state_names=list(state),
+            device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
             index_key=key,
         )
-        primals = [*state.values(), *call.tensors]
-        device = _common_device(entry.state_names, primals)
         with self._lock:  # held until the entry is in place: a confirmation may drop it
             if signature in self._entries:  # another thread's first call came first
                 return True

@@ -25,26 +25,32 @@ _waiting = False  # a check waits for its turn
 _granted = False  # a training thread paused at the end of its backward for the check
 _closing = False  # the process exits: a check waits no longer
 _idle = 0  # threads waiting for builds (`between_steps`): no step of theirs holds memory
-_step_end = threading.Event()  # set when the step running now ends (`step_end`)
+_step_end: threading.Event | None = None  # set when the step running now ends (`step_end`)
 
 
 def step_end() -> threading.Event:
     """An event set when a step running now ends: at the end of a lazy module's backward, of a
     call without gradients, or when a thread waits for builds."""
+    global _step_end
     with _condition:
+        if _step_end is None:
+            _step_end = threading.Event()
         return _step_end
 
 
 def call_ended() -> None:
     """At the end of a lazy module's call whose results need no backward: a step ended."""
+    if _step_end is None:  # nothing waits for it (every call passes here: no lock then)
+        return
     with _condition:
         _end_step()
 
 
 def _end_step() -> None:
     global _step_end
-    _step_end.set()
-    _step_end = threading.Event()
+    if _step_end is not None:
+        _step_end.set()
+        _step_end = None
 
 
 @contextlib.contextmanager
