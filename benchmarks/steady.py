@@ -3,7 +3,7 @@
 Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
 median over rounds of lazygrad's step over eager's in the same round), after each model's
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
-(capture/peephole.py), without the backward's memory arena (session.py), and without either
+(capture/peephole.py), without the sessions' memory arena (session.py), and without either
 (as before both), so each one's effect is measured in the same rounds as the rest, under the
 same load. The load average is printed before and after: on a shared machine absolute times
 drift, ratios much less. Each step's process CPU time (user + system, all threads) is

@@ -75,8 +75,7 @@ class GraphPair:
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
                 model = whole if segment is None else self.graphs.backward_segments[segment]
-                found = self._sessions[key] = GraphSession(model, device, state,
-                                                           arena=not forward)
+                found = self._sessions[key] = GraphSession(model, device, state)
             return found
 
     def forward(

@@ -44,13 +44,13 @@ class GraphSession:
         model: onnx.ModelProto,
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
-        arena: bool = False,
+        arena: bool = True,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
-        signature, which holds them); a new storage or layout is seen. `arena`: ORT keeps the
-        memory of its intermediates between runs (for a graph whose results are small next to
-        them: a backward, whose results are gradients)."""
+        signature, which holds them); a new storage or layout is seen. `arena`: ORT takes its
+        memory from the process's one CPU arena, which keeps it between runs (False: from the
+        system every run; `benchmarks/steady.py --ablate` measures the difference)."""
         self.device = device
         self.arena = arena
         self.input_names = [value.name for value in model.graph.input]
@@ -77,11 +77,15 @@ class GraphSession:
         # back as exceptions that the runtime explains; printed as well, they would mislead.
         options.log_severity_level = 4
         options.graph_optimization_level = level
-        # A forward's outputs and stashed tensors leave ORT and live in torch until backward;
-        # an arena would keep their peak reserved for the whole process, and memory saved by a
-        # smaller stash would never be given back. A backward's intermediates die within its
-        # run: without an arena each is fresh memory from the system every step, whose pages
-        # fault in at first touch (measured: a logits-sized elementwise pass 2-5x slower).
+        # Without an arena every intermediate is fresh memory from the system every step, whose
+        # pages fault in at first touch (measured: a logits-sized elementwise pass 2-5x slower).
+        # Backward and forward sessions share one arena grown by what is asked: a forward's
+        # outputs and stash leave ORT and live in torch until the backward, and their chunks
+        # go back to the arena then, for the next forward or the backward to reuse. Measured
+        # against an arena for backward sessions only (BERT-shaped, interleaved, 10-12 rounds):
+        # steady step 0.965-0.978x -> 0.900-0.914x eager, MoE 0.888x -> 0.865x; whole-process
+        # peak with a warm disk cache A 1458 -> 1377 MiB, B 1660 -> 1611 MiB; with the build in
+        # the process A 1724 -> 1710, B 2191 -> 2306 MiB (the check's runs grow the arena).
         options.enable_cpu_mem_arena = self.arena
         if self.arena and self.device.type == "cpu":
             _register_shared_cpu_arena()
@@ -291,10 +295,10 @@ _arena_registered = False
 
 
 def _register_shared_cpu_arena() -> None:
-    """One CPU arena for every backward session of the process, grown by what is asked
+    """One CPU arena for every session of the process, grown by what is asked
     (kSameAsRequested), not by powers of two: sessions run one at a time on a thread, so a
-    model's backward segments, and other models' backwards, reuse the same memory instead of
-    each keeping its own peak."""
+    model's forward and backward segments, and other models' graphs, reuse the same memory
+    instead of each keeping its own peak."""
     global _arena_registered
     with _arena_lock:
         if _arena_registered:
