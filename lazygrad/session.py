@@ -84,8 +84,10 @@ class GraphSession:
         # go back to the arena then, for the next forward or the backward to reuse. Measured
         # against an arena for backward sessions only (BERT-shaped, interleaved, 10-12 rounds):
         # steady step 0.965-0.978x -> 0.900-0.914x eager, MoE 0.888x -> 0.865x; whole-process
-        # peak with a warm disk cache A 1458 -> 1377 MiB, B 1660 -> 1611 MiB; with the build in
-        # the process A 1724 -> 1710, B 2191 -> 2306 MiB (the check's runs grow the arena).
+        # peak of a keep loop with a warm disk cache A 1458 -> 1377 MiB, B 1660 -> 1611 MiB,
+        # with the build in the process A 1724 -> 1710, B 2191 -> 2306 MiB (the check's runs
+        # grow the arena); a del loop's warm peak rose (A 1176 -> 1328 MiB in
+        # benchmarks/results/memory-targets.md): the arena keeps freed outputs' memory.
         options.enable_cpu_mem_arena = self.arena
         if self.arena and self.device.type == "cpu":
             _register_shared_cpu_arena()
