@@ -10,7 +10,9 @@ beside a build, the rest of that backward ran 3-5 times slower on 2 cores (the t
 holding the GIL that the engine's hooks need, and takes a core from torch's threads), which made
 the first step of a signature 2-3x an eager one (benchmarks/fresh.py). A backward that raises
 runs no end callback, so a build waits for it at most `_BACKWARD_PATIENCE` seconds; so does a
-build told to start at some other event (`submit`'s `start`).
+build told to start at some other event (`submit`'s `start`). A build asked to run now (`run`,
+whose caller waits for it) starts the builds queued before it that still wait: that caller may be
+the very step they wait for.
 
 At exit, builds still queued are dropped and the one running is waited for: a daemon thread
 torn down inside ORT or torch's native code aborted the process ("terminate called without an
@@ -37,8 +39,9 @@ T = TypeVar("T")
 _Job = tuple[Callable[[], Any], concurrent.futures.Future, threading.Event]
 _jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
 _BACKWARD_PATIENCE = 30.0
-_started = threading.Lock()
+_started = threading.Lock()  # guards `_thread` and `_waiting`
 _thread: threading.Thread | None = None
+_waiting: set[threading.Event] = set()  # starts of queued builds, not yet given
 _idle = threading.Lock()  # held while a build runs
 _closing = threading.Event()
 
@@ -47,6 +50,8 @@ def _work() -> None:
     while True:
         build, future, start = _jobs.get()
         start.wait(_BACKWARD_PATIENCE)
+        with _started:
+            _waiting.discard(start)
         with _idle:
             if _closing.is_set():
                 future.cancel()
@@ -87,6 +92,10 @@ def submit(build: Callable[[], T],
 
 def run(build: Callable[[], T]) -> T:
     """`build()` on the builder thread, now; its result, or its exception."""
+    with _started:
+        for start in _waiting:
+            start.set()
+        _waiting.clear()
     started = threading.Event()
     started.set()
     return _queue(build, started).result()
@@ -98,6 +107,8 @@ def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures
         if _thread is None:
             _thread = threading.Thread(target=_work, name="lazygrad-builder", daemon=True)
             _thread.start()
+        if not start.is_set():
+            _waiting.add(start)
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     _jobs.put((build, future, start))
     return future

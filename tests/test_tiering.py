@@ -21,6 +21,7 @@ from test_graph_breaks import Noisy
 
 import lazygrad
 import lazygrad.runtime as runtime
+from lazygrad import builder
 from lazygrad.capture import CaptureError
 from lazygrad.examples.models import ThreeHeadMLP
 
@@ -144,6 +145,30 @@ def test_a_build_met_in_a_backward_starts_when_that_backward_ends(monkeypatch):
     assert times["capture"] >= times["backward ended"]
     stats = lazygrad.stats(lazy)
     assert stats.builds == 1 and stats.fallbacks == 0
+
+
+def test_a_build_run_now_in_a_backward_does_not_wait_behind_one_waiting_for_that_backward():
+    """A module waiting for its builds meets a new mask in the same backward as one that builds
+    in the background: the first build waits for that backward's end, which waits for the
+    second; the second starts the first instead of waiting out its patience."""
+    order = []
+
+    class Inside(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            builder.submit(lambda: order.append("waiting for this backward"))
+            started = time.perf_counter()
+            builder.run(lambda: order.append("now"))
+            order.append(time.perf_counter() - started)
+            return grad
+
+    Inside.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert order[:2] == ["waiting for this backward", "now"]
+    assert order[2] < 5.0
 
 
 def test_graphs_from_the_disk_index_are_confirmed_after_the_step_that_met_them(
