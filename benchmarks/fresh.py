@@ -119,10 +119,10 @@ def _run(peer: str, workload_names: list[str]) -> list[Fresh]:
             through_ort = lazygrad.stats(model).eager_steps == eager_steps
             building = []
             while time.perf_counter() - started < _BUILDING_PATIENCE_S:
-                eager_steps = lazygrad.stats(model).eager_steps
+                before = lazygrad.stats(model).eager_steps
                 took = timed(lambda step=step, index=index: step(index))
                 index += 1
-                if lazygrad.stats(model).eager_steps == eager_steps:
+                if lazygrad.stats(model).eager_steps == before:
                     break
                 building.append(took)
             lazygrad.wait_for_builds(model)

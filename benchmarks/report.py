@@ -49,7 +49,8 @@ class BuildRow:
 
 HEADER = (
     "workload", "peer", "median step ms", "x eager", "steps/s", "first step s",
-    "graphs ready s (eager steps meanwhile, median)", "first step s, warm cache", "peak MiB", "exports", "builds", "hit rate",
+    "graphs ready s (eager steps meanwhile, median)", "first step s, warm cache", "peak MiB",
+    "exports", "builds", "hit rate",
 )
 PHASES = ("trace", "export", "check")
 BUILD_HEADER = (

@@ -44,6 +44,8 @@ _thread: threading.Thread | None = None
 _waiting: set[threading.Event] = set()  # starts of queued builds, not yet given
 _idle = threading.Lock()  # held while a build runs
 _closing = threading.Event()
+_NOW = threading.Event()  # the start of a build that need not wait
+_NOW.set()
 
 
 def _work() -> None:
@@ -80,14 +82,10 @@ def submit(build: Callable[[], T],
     """Queue `build()` for the builder thread, to start once `start` is set (at most
     `_BACKWARD_PATIENCE` seconds later), by default once the backward running on this thread
     (if any) has ended; its future."""
-    if start is not None:
-        return _queue(build, start)
-    backward_ended = threading.Event()
-    if private.in_backward():
-        private.queue_at_backward_end(backward_ended.set)
-    else:
-        backward_ended.set()
-    return _queue(build, backward_ended)
+    if start is None and private.in_backward():
+        start = threading.Event()
+        private.queue_at_backward_end(start.set)
+    return _queue(build, start or _NOW)
 
 
 def run(build: Callable[[], T]) -> T:
@@ -96,9 +94,7 @@ def run(build: Callable[[], T]) -> T:
         for start in _waiting:
             start.set()
         _waiting.clear()
-    started = threading.Event()
-    started.set()
-    return _queue(build, started).result()
+    return _queue(build, _NOW).result()
 
 
 def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures.Future[T]:

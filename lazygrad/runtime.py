@@ -296,8 +296,9 @@ class Runtime:
             template, tensors = OutputTemplate.of(result)
         except ValueError as error:
             return self._fall_back(signature, call, args, kwargs, str(error), result)
+        state_names = list(state)
         primals = [*state.values(), *call.tensors]
-        device = _common_device(list(state), primals)
+        device = _common_device(state_names, primals)
         with self._lock:
             self.stats.eager_steps += 1
             entry = self._entries.get(signature)
@@ -307,7 +308,7 @@ class Runtime:
                     call=call.without_tensors(),
                     template=template,
                     differentiable=tuple(t.requires_grad for t in tensors),
-                    state_names=list(state),
+                    state_names=state_names,
                     device=device,
                     index_key=key,
                 )
@@ -547,14 +548,15 @@ class Runtime:
             template = OutputTemplate.from_json(record["template"])
         except Exception:  # a structure this process cannot rebuild: a miss, never an error
             return False
+        state_names = list(state)
         primals = [*state.values(), *call.tensors]
-        device = _common_device(list(state), primals)
+        device = _common_device(state_names, primals)
         entry = SignatureEntry(
             id=f"s{next(self._ids)}",
             call=call.without_tensors(),
             template=template,
             differentiable=tuple(record["differentiable"]),
-            state_names=list(state),
+            state_names=state_names,
             device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
             index_key=key,
