@@ -3,11 +3,11 @@
 Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
 median over rounds of lazygrad's step over eager's in the same round), after each model's
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
-(capture/peephole.py), without the sessions' memory arena (session.py), and without either
-(as before both), so each one's effect is measured in the same rounds as the rest, under the
-same load. The load average is printed before and after: on a shared machine absolute times
-drift, ratios much less. Each step's process CPU time (user + system, all threads) is
-recorded too: the work a step does, which waiting for a core under load does not inflate.
+(capture/peephole.py) and with ORT's CPU memory arena (session.py), so each one's effect is
+measured in the same rounds as the rest, under the same load. The load average is printed
+before and after: on a shared machine absolute times drift, ratios much less. Each step's
+process CPU time (user + system, all threads) is recorded too: the work a step does, which
+waiting for a core under load does not inflate.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ from lazygrad.capture import peephole
 from lazygrad.session import GraphSession
 
 ABLATIONS = {
-    "lazygrad, no peephole": ("peephole",),
-    "lazygrad, no arena": ("arena",),
-    "lazygrad, neither": ("peephole", "arena"),
+    "lazygrad, no peephole": ("no peephole",),
+    "lazygrad, arena": ("arena",),
 }
 
 
 @contextlib.contextmanager
-def without(parts: tuple[str, ...]) -> Iterator[None]:
-    """Graphs built and sessions made inside the block lack `parts`."""
+def varied(changes: tuple[str, ...]) -> Iterator[None]:
+    """Graphs built and sessions made inside the block have `changes`: "no peephole" (none of
+    its rewrites), "arena" (sessions on ORT's CPU memory arena)."""
     rules, session = peephole.RULES, graph_pair.GraphSession
-    if "peephole" in parts:
+    if "no peephole" in changes:
         peephole.RULES = []
-    if "arena" in parts:
+    if "arena" in changes:
         graph_pair.GraphSession = lambda *args, **kwargs: GraphSession(
-            *args, **{**kwargs, "arena": False}
+            *args, **{**kwargs, "arena": True}
         )
     try:
         yield
@@ -65,7 +65,7 @@ def measure(name: str, rounds: int, ablate: bool) -> str:
         models.update({peer: lazygrad.lazy(workload.model()) for peer in ABLATIONS})
     steps = {peer: workload.step(model) for peer, model in models.items()}
     for peer, step in steps.items():
-        with without(ABLATIONS.get(peer, ())):
+        with varied(ABLATIONS.get(peer, ())):
             for index in range(workload.settle):
                 step(index)
             if peer != "eager":

@@ -101,6 +101,17 @@ class GraphPair:
             for index, views in self._output_views
         ]
 
+    def outputs_in_mask(
+        self, results: Sequence[torch.Tensor | None], env: dict[str, int]
+    ) -> list[torch.Tensor | None]:
+        """The module outputs this pair's mask gives a gradient; None for the others, whose
+        results may already be gone."""
+        assert self.mask is not None
+        return [
+            (_apply(views, results[index], env) if views else results[index]) if wanted else None
+            for (index, views), wanted in zip(self._output_views, self.mask)
+        ]
+
     def backward(
         self,
         primals: Sequence[torch.Tensor],

@@ -44,13 +44,13 @@ class GraphSession:
         model: onnx.ModelProto,
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
-        arena: bool = True,
+        arena: bool = False,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
         signature, which holds them); a new storage or layout is seen. `arena`: ORT takes its
-        memory from the process's one CPU arena, which keeps it between runs (False: from the
-        system every run; `benchmarks/steady.py --ablate` measures the difference)."""
+        memory from one CPU arena for the process, which keeps it between runs (default: from
+        the C allocator torch uses too; `benchmarks/steady.py --ablate` measures the arena)."""
         self.device = device
         self.arena = arena
         self.input_names = [value.name for value in model.graph.input]
@@ -77,18 +77,20 @@ class GraphSession:
         # back as exceptions that the runtime explains; printed as well, they would mislead.
         options.log_severity_level = 4
         options.graph_optimization_level = level
-        # Without an arena every intermediate is fresh memory from the system every step, whose
-        # pages fault in at first touch (measured: a logits-sized elementwise pass 2-5x slower).
-        # Backward and forward sessions share one arena grown by what is asked: a forward's
-        # outputs and stash leave ORT and live in torch until the backward, and their chunks
-        # go back to the arena then, for the next forward or the backward to reuse. Measured
-        # against an arena for backward sessions only (BERT-shaped, interleaved, 10-12 rounds):
-        # steady step 0.965-0.978x -> 0.900-0.914x eager, MoE 0.888x -> 0.865x; whole-process
-        # peak of a keep loop with a warm disk cache A 1458 -> 1377 MiB, B 1660 -> 1611 MiB,
-        # with the build in the process A 1724 -> 1710, B 2191 -> 2306 MiB (the check's runs
-        # grow the arena); a del loop's warm peak rose (A 1176 -> 1328 MiB in
-        # benchmarks/results/memory-targets.md): the arena keeps freed outputs' memory.
+        # No arena by default: ORT then allocates with the C allocator torch uses, so the two
+        # reuse each other's freed memory as eager's ops do, and ORT keeps none between runs.
+        # An arena is a second pool that keeps its peak for good: the forward's outputs and
+        # stash, the backward's intermediates, while torch's optimizer and loss allocate beside
+        # it. Measured (benchmarks/results/memory-targets.md, warm disk cache, default policy):
+        # whole-process peak with the arena -> without, A keep 1381 -> 1252 MiB, A del 1328 ->
+        # 1072, B keep 1607 -> 1310, B del 1607 -> 1303 (eager 1544, 1110, 1104, 1086). The
+        # steady step, interleaved (benchmarks.steady --ablate, 16-24 rounds, three runs): the
+        # arena 4-9% faster in two runs on the BERT-shaped model, 2-14% slower in the third,
+        # within 1% on MoE. Without a CPU arena ORT's memory pattern is off too: it would ask
+        # the system for one block of all a run's intermediates each run, whose pages all fault
+        # (CUDA memory comes from the CUDA provider's own arena either way).
         options.enable_cpu_mem_arena = self.arena
+        options.enable_mem_pattern = self.arena or self.device.type == "cuda"
         if self.arena and self.device.type == "cpu":
             _register_shared_cpu_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")

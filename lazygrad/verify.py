@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import fx
 
 from lazygrad.capture import Captured, Feed
 from lazygrad.graph_pair import GraphPair
@@ -43,61 +44,105 @@ def verify(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         draws = pair.draw(env, device)
     values: dict[str, Sequence] = {"primal": primals, "random": draws}
+    # ORT's forward results first, then torch's FX forward, compared result by result as torch
+    # makes them: a result torch no longer needs is freed, and ORT's once compared, unless the
+    # backward's check reads it (fed ORT's) or it is an output that gets a cotangent. One set
+    # of forward results is alive, not two.
+    results: list = pair.forward(primals, draws, device)
+    checking = tidy.backward is not None and pair.mask is not None
+    read = set(pair.outputs_read_by_backward)
+    kept: set[int] = set()
+    if checking:
+        kept = read | {slot.index for slot, wanted in zip(pair.graphs.outputs, pair.mask) if wanted}
     with torch.no_grad():
-        expected = list(tidy.forward(*_feeds(tidy.forward_feeds, values)))
-    # ORT's results are compared, and dropped, one by one: the backward is fed torch's.
-    _compare(pair.forward(primals, draws, device), expected, "forward result")
-    if tidy.backward is None or pair.mask is None:
+        _ForwardCheck(tidy.forward, results, kept).run(*_feeds(tidy.forward_feeds, values))
+    if not checking:
         return
-    outputs = pair.outputs(expected, env)
+    outputs = pair.outputs_in_mask(results, env)
     if cotangents is None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            cotangents = [torch.randn_like(o) if o.is_floating_point() else None for o in outputs]
+            cotangents = [
+                torch.randn_like(o) if o is not None and o.is_floating_point() else None
+                for o in outputs
+            ]
     cotangents = [
-        (c.detach() if c is not None else torch.zeros_like(o)) if bit else None
-        for c, o, bit in zip(cotangents, outputs, pair.mask)
+        (c.detach() if c is not None else torch.zeros_like(o)) if o is not None else None
+        for c, o in zip(cotangents, outputs)
     ]
-    # Only what the backward reads stays (a big output the mask leaves out, logits, goes now).
-    read = set(pair.outputs_read_by_backward)
+    # Only what the backward reads stays.
     del outputs
-    expected = [tensor if index in read else None for index, tensor in enumerate(expected)]
-    values = {**values, "saved": expected, "cotangent": cotangents}
+    results = [tensor if index in read else None for index, tensor in enumerate(results)]
+    values = {**values, "saved": results, "cotangent": cotangents}
     with torch.no_grad():
         expected_grads = list(tidy.backward(*_feeds(tidy.backward_feeds, values)))
-    grads = pair.backward(primals, draws, expected, cotangents, device)
-    del values, expected
-    _compare([grads[i] for i in pair.graphs.grads_for], expected_grads, "gradient")
+    grads = pair.backward(primals, draws, results, cotangents, device)
+    del values, results
+    gradients = [grads[i] for i in pair.graphs.grads_for]
+    if len(gradients) != len(expected_grads):
+        raise VerificationError(
+            f"{len(gradients)} gradients from ORT, {len(expected_grads)} from torch"
+        )
+    for index, wanted in enumerate(expected_grads):
+        actual, gradients[index] = gradients[index], None
+        _compare(actual, wanted, f"gradient {index}")
+
+
+class _ForwardCheck(fx.Interpreter):
+    """Runs an FX forward graph in torch, comparing each result with ORT's (`got`, in the graph's
+    output order) as soon as it is made; ORT's is then dropped from `got` unless its index is in
+    `kept`. Torch's values are freed after their last use by another node (the graph run has no
+    output node to keep them)."""
+
+    def __init__(self, module: fx.GraphModule, got: list, kept: set[int]) -> None:
+        copies: dict[fx.Node, fx.Node] = {}
+        graph = fx.Graph()
+        results = graph.graph_copy(module.graph, copies)
+        graph.output(())
+        if len(got) != len(results):
+            raise VerificationError(
+                f"{len(got)} forward results from ORT, {len(results)} from torch"
+            )
+        self._positions: dict[fx.Node, list[int]] = {}
+        for position, result in enumerate(results):
+            if isinstance(result, fx.Node):
+                self._positions.setdefault(result, []).append(position)
+        self._got, self._kept = got, kept
+        super().__init__(module, graph=graph)
+
+    def run_node(self, node: fx.Node) -> object:
+        value = super().run_node(node)
+        for position in self._positions.get(node, ()):
+            actual = self._got[position]
+            if position not in self._kept:
+                self._got[position] = None
+            _compare(actual, value, f"forward result {position}")
+        return value if node.users else None
 
 
 def _feeds(feeds: list[Feed], values: dict[str, Sequence]) -> list[torch.Tensor]:
     return [values[feed.kind][feed.index] for feed in feeds]
 
 
-def _compare(got: list, expected: Sequence, what: str) -> None:
-    """Raise unless each of `got` (ORT's) equals `expected` (torch's) within `tolerance`; each
-    of `got` is dropped once compared."""
-    if len(got) != len(expected):
-        raise VerificationError(f"{len(got)} {what}s from ORT, {len(expected)} from torch")
-    for index, wanted in enumerate(expected):
-        actual, got[index] = got[index], None
-        if not isinstance(wanted, torch.Tensor):
-            continue
-        if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
-            raise VerificationError(
-                f"{what} {index}: ORT gives {actual.dtype}{list(actual.shape)}, torch "
-                f"{wanted.dtype}{list(wanted.shape)}"
-            )
-        if not wanted.is_floating_point():
-            if not torch.equal(actual, wanted):
-                raise VerificationError(f"{what} {index}: ORT and torch differ")
-            continue
-        error, scale, same_nans = _difference(actual, wanted)
-        relative, absolute = tolerance(wanted.dtype)
-        if not same_nans or error > relative * scale + absolute:
-            raise VerificationError(
-                f"{what} {index}: ORT differs from torch by {error:.3g} (largest magnitude "
-                f"{scale:.3g})"
-            )
+def _compare(actual: torch.Tensor, wanted: object, what: str) -> None:
+    """Raise unless `actual` (ORT's) equals `wanted` (torch's) within `tolerance`; a value
+    that is not a tensor in torch (a size the backward reads) is not compared."""
+    if not isinstance(wanted, torch.Tensor):
+        return
+    if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
+        raise VerificationError(
+            f"{what}: ORT gives {actual.dtype}{list(actual.shape)}, torch "
+            f"{wanted.dtype}{list(wanted.shape)}"
+        )
+    if not wanted.is_floating_point():
+        if not torch.equal(actual, wanted):
+            raise VerificationError(f"{what}: ORT and torch differ")
+        return
+    error, scale, same_nans = _difference(actual, wanted)
+    relative, absolute = tolerance(wanted.dtype)
+    if not same_nans or error > relative * scale + absolute:
+        raise VerificationError(
+            f"{what}: ORT differs from torch by {error:.3g} (largest magnitude {scale:.3g})"
+        )
 
 
 _BLOCK = 1 << 20  # elements compared at once: a logits-sized result makes no full-size temporary

@@ -17,7 +17,7 @@ from conftest import assert_close, assert_grads_equal
 import lazygrad
 from lazygrad import attach, turns
 from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
-from lazygrad.verify import VerificationError, _compare
+from lazygrad.verify import VerificationError, _compare, _ForwardCheck
 
 
 class Head(torch.nn.Module):
@@ -87,18 +87,46 @@ def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bo
 
 def test_check_compares_blockwise_and_catches_a_difference_or_nans_in_other_places():
     wanted = torch.randn(3_000_000)
-    _compare([wanted.clone()], [wanted], "result")
+    _compare(wanted.clone(), wanted, "result")
     off = wanted.clone()
     off[2_500_000] += 1.0
     with pytest.raises(VerificationError, match="differs"):
-        _compare([off], [wanted], "result")
+        _compare(off, wanted, "result")
     nan = wanted.clone()
     nan[5] = float("nan")
     with pytest.raises(VerificationError):
-        _compare([nan], [wanted], "result")
-    both = [nan.clone()]
-    _compare(both, [nan], "result")
-    assert both == [None]  # ORT's result is dropped once compared
+        _compare(nan, wanted, "result")
+    _compare(nan.clone(), nan, "result")
+
+
+def _three_results(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    doubled = x * 2
+    return doubled, doubled + 1, x.sin()
+
+
+def test_forward_check_compares_each_result_as_torch_makes_it_and_keeps_only_what_is_asked():
+    forward = torch.fx.symbolic_trace(_three_results)
+    x = torch.randn(1000)
+    doubled, plus_one, sine = _three_results(x)
+    compared = []
+
+    class Recording(_ForwardCheck):
+        def run_node(self, node):
+            value = super().run_node(node)
+            compared.append((node.name, [g is None for g in self._got]))
+            return value
+
+    got = [doubled.clone(), plus_one.clone(), sine.clone()]
+    Recording(forward, got, kept={1}).run(x)
+    # ORT's first result is dropped when torch made it, before torch made the next ones.
+    assert ("mul", [True, False, False]) in compared
+    assert got[0] is None and got[2] is None and torch.equal(got[1], plus_one)
+
+    wrong = [doubled.clone(), plus_one.clone(), sine + 1]
+    with pytest.raises(VerificationError, match="forward result 2: ORT differs"):
+        _ForwardCheck(forward, wrong, kept=set()).run(x)
+    with pytest.raises(VerificationError, match="2 forward results from ORT, 3 from torch"):
+        _ForwardCheck(forward, [doubled, plus_one], kept=set())
 
 
 def test_check_waits_for_the_end_of_a_backward_and_that_backward_waits_for_the_check():
