@@ -22,31 +22,25 @@ from collections.abc import Callable, Iterator
 import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
-from lazygrad import graph_pair
 from lazygrad.capture import peephole
-from lazygrad.session import GraphSession
 
-ABLATIONS = {
-    "lazygrad, no peephole": ("no peephole",),
-    "lazygrad, arena": ("arena",),
+# peer -> (what its graphs are built without, its options to lazygrad.lazy)
+ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
+    "lazygrad, no peephole": (("peephole",), {}),
+    "lazygrad, arena": ((), {"arena": True}),
 }
 
 
 @contextlib.contextmanager
-def varied(changes: tuple[str, ...]) -> Iterator[None]:
-    """Graphs built and sessions made inside the block have `changes`: "no peephole" (none of
-    its rewrites), "arena" (sessions on ORT's CPU memory arena)."""
-    rules, session = peephole.RULES, graph_pair.GraphSession
-    if "no peephole" in changes:
+def without(parts: tuple[str, ...]) -> Iterator[None]:
+    """Graphs built inside the block lack `parts` ("peephole": its rewrites)."""
+    rules = peephole.RULES
+    if "peephole" in parts:
         peephole.RULES = []
-    if "arena" in changes:
-        graph_pair.GraphSession = lambda *args, **kwargs: GraphSession(
-            *args, **{**kwargs, "arena": True}
-        )
     try:
         yield
     finally:
-        peephole.RULES, graph_pair.GraphSession = rules, session
+        peephole.RULES = rules
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:
@@ -62,10 +56,11 @@ def measure(name: str, rounds: int, ablate: bool) -> str:
     workload = WORKLOADS[name]
     models = {"eager": workload.model(), "lazygrad": lazygrad.lazy(workload.model())}
     if ablate:
-        models.update({peer: lazygrad.lazy(workload.model()) for peer in ABLATIONS})
+        models.update({peer: lazygrad.lazy(workload.model(), **options)
+                       for peer, (_, options) in ABLATIONS.items()})
     steps = {peer: workload.step(model) for peer, model in models.items()}
     for peer, step in steps.items():
-        with varied(ABLATIONS.get(peer, ())):
+        with without(ABLATIONS.get(peer, ((), {}))[0]):
             for index in range(workload.settle):
                 step(index)
             if peer != "eager":

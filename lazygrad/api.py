@@ -24,7 +24,7 @@ def lazy(target: M, /) -> M: ...
 @overload
 def lazy(
     *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
-    wait_for_builds: bool | None = None, segments: int = SEGMENTS,
+    wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = False,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -37,6 +37,7 @@ def lazy(
     strict: bool = False,
     wait_for_builds: bool | None = None,
     segments: int = SEGMENTS,
+    arena: bool = False,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -54,8 +55,12 @@ def lazy(
     while the graphs build on a background thread, and the first call after that runs in ORT.
     segments: run each backward as up to this many graphs in order (cut where the stash is
     released), freeing the stashed tensors each has read last as it returns; 1: one graph.
+    arena: ORT takes CPU memory from its own arena, which keeps it between steps: measured,
+    steps 3-11% faster and calls ~25 us cheaper, but a whole-process peak 15-25% higher
+    (`benchmarks/results/memory-targets.md`). By default ORT allocates as torch does.
     """
-    options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments)
+    options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments,
+                      arena=arena)
     if wait_for_builds is not None:
         options = dataclasses.replace(options, wait_for_builds=wait_for_builds)
 

@@ -23,11 +23,15 @@ from lazygrad.session import GraphSession
 
 
 class GraphPair:
-    def __init__(self, graphs: Graphs, mask: tuple[bool, ...] | None, persistent: int) -> None:
-        """`persistent`: how many leading primals are module state (fed every call)."""
+    def __init__(
+        self, graphs: Graphs, mask: tuple[bool, ...] | None, persistent: int, arena: bool
+    ) -> None:
+        """`persistent`: how many leading primals are module state (fed every call); `arena`:
+        the sessions take CPU memory from ORT's arena (`GraphSession`)."""
         self.graphs = graphs
         self.mask = mask
         self._persistent = persistent
+        self._arena = arena
         self._sessions: dict[tuple[str, Hashable], GraphSession] = {}
         self._valid_sizes: dict[tuple[int, ...], bool] = {}
         self._lock = threading.Lock()
@@ -75,7 +79,7 @@ class GraphPair:
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
                 model = whole if segment is None else self.graphs.backward_segments[segment]
-                found = self._sessions[key] = GraphSession(model, device, state)
+                found = self._sessions[key] = GraphSession(model, device, state, self._arena)
             return found
 
     def forward(

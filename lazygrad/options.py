@@ -20,6 +20,7 @@ class Options:
     cache_size: int = 64
     strict: bool = False
     segments: int = SEGMENTS
+    arena: bool = False  # ORT's CPU memory arena (session.py: faster, more memory)
     # Block a step until its graphs are built, instead of running it in eager PyTorch while they
     # build in the background. Default: the environment's LAZYGRAD_WAIT_FOR_BUILDS (1: wait).
     wait_for_builds: bool = dataclasses.field(
@@ -29,6 +30,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.arena, bool):
+            raise ValueError(f"lazygrad: arena must be True or False, got {self.arena!r}")
         if not isinstance(self.segments, int) or self.segments < 1:
             raise ValueError(f"lazygrad: segments must be a positive int, got {self.segments!r}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:

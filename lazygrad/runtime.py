@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lazygrad import attach, builder, clock, disk_cache, turns
-from lazygrad.capture import Captured, CaptureError, capture, export, functional, unchanged
+from lazygrad.capture import Captured, CaptureError, Graphs, capture, export, functional, unchanged
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.function import LazyFunction, MaskProbe
@@ -486,9 +486,9 @@ class Runtime:
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
             self._index(entry, mask, key)
-            return GraphPair(graphs, mask, persistent=len(entry.state_names)), True
+            return self._pair(graphs, mask, entry), True
         graphs = export(captured, self.options.segments)
-        pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
+        pair = self._pair(graphs, mask, entry)
         checked = time.perf_counter()
         for which in ("forward", "backward") if graphs.backward is not None else ("forward",):
             pair.session(which, device)  # made before the turn: the training thread runs on
@@ -499,6 +499,9 @@ class Runtime:
             self._disk.store(key, graphs)
             self._index(entry, mask, key)
         return pair, False
+
+    def _pair(self, graphs: Graphs, mask: Mask | None, entry: SignatureEntry) -> GraphPair:
+        return GraphPair(graphs, mask, len(entry.state_names), self.options.arena)
 
     def _trace(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
                primals: list[torch.Tensor], module: torch.nn.Module) -> tuple[Captured, str]:
@@ -592,7 +595,7 @@ class Runtime:
         if graphs is None:
             return None
         expected = record["graphs"]
-        pair = GraphPair(graphs, mask, persistent=len(entry.state_names))
+        pair = self._pair(graphs, mask, entry)
         key = (signature, mask)
         served = PairEntry(pair, EntryStats(mask=mask, forward=entry.id, from_disk=True))
         structure = None

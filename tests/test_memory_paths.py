@@ -3,6 +3,7 @@ check's turn between steps, and the import of `lazygrad` without the exporter.""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from conftest import assert_close, assert_grads_equal
 
 import lazygrad
-from lazygrad import attach, turns
+from lazygrad import attach, graph_pair, turns
 from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 from lazygrad.verify import VerificationError, _compare, _ForwardCheck
 
@@ -180,3 +181,39 @@ def test_a_check_waiting_for_its_turn_runs_while_a_thread_waits_for_builds():
         assert ran.wait(5.0)
     worker.join()
     assert time.perf_counter() - started < 10.0
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_with_or_without_ort_memory_arena_the_steps_are_eagers(arena, monkeypatch):
+    """ORT allocates as torch does by default; `arena=True` gives it its own arena, for speed.
+    Either way: eager's outputs and gradients, step after step, and every step through ORT."""
+    made = []
+
+    class Recorded(graph_pair.GraphSession):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.arena)
+
+    monkeypatch.setattr(graph_pair, "GraphSession", Recorded)
+    torch.manual_seed(0)
+    config = BertConfig(vocab=200, hidden=32, layers=2, heads=4)
+    model = BertPretraining(config)
+    lazy = lazygrad.lazy(copy.deepcopy(model), arena=arena)
+    batch = bert_batch(config, batch=2, seq=8)
+    for step in range(3):
+        for m in (lazy, model):
+            m.zero_grad(set_to_none=True)
+        out, expected = lazy(*batch), model(*batch)
+        for got, wanted in zip(out, expected):
+            assert_close(got.detach(), wanted.detach(), f"step {step} output")
+        (out[0] + out[2].sum()).backward()
+        (expected[0] + expected[2].sum()).backward()
+        assert_grads_equal(lazy, model, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2
+    assert made and set(made) == {arena}
+
+
+def test_arena_must_be_a_bool():
+    with pytest.raises(ValueError, match="arena must be True or False, got 'yes'"):
+        lazygrad.lazy(torch.nn.Linear(2, 2), arena="yes")
