@@ -112,7 +112,7 @@ class GraphPair:
         results may already be gone."""
         assert self.mask is not None
         return [
-            (_apply(views, results[index], env) if views else results[index]) if wanted else None
+            _apply(views, results[index], env) if wanted else None
             for (index, views), wanted in zip(self._output_views, self.mask)
         ]
 

@@ -81,14 +81,14 @@ class GraphSession:
         # reuse each other's freed memory as eager's ops do, and ORT keeps none between runs.
         # An arena is a second pool that keeps its peak for good: the forward's outputs and
         # stash, the backward's intermediates, while torch's optimizer and loss allocate beside
-        # it. Measured (benchmarks/results/memory-targets.md, warm disk cache, default policy):
-        # whole-process peak with the arena -> without, A keep 1381 -> 1252 MiB, A del 1328 ->
-        # 1072, B keep 1607 -> 1310, B del 1607 -> 1303 (eager 1544, 1110, 1104, 1086). The
-        # steady step, interleaved (benchmarks.steady --ablate, 16-24 rounds, three runs): the
-        # arena 4-9% faster in two runs on the BERT-shaped model, 2-14% slower in the third,
-        # within 1% on MoE. Without a CPU arena ORT's memory pattern is off too: it would ask
-        # the system for one block of all a run's intermediates each run, whose pages all fault
-        # (CUDA memory comes from the CUDA provider's own arena either way).
+        # it. Measured (benchmarks/results/memory-targets.md, warm disk cache, default policy,
+        # del loop): whole-process peak with the arena -> without, A 1299 -> 1072 MiB, B 1573
+        # -> 1297. The price, in the same rounds (benchmarks.steady --ablate; benchmarks/README
+        # "Latest"): steps 3-11% slower without it, calls about 25 us dearer; `arena=True`
+        # (Options) takes the other side of the trade. Without a CPU arena ORT's memory pattern
+        # is off too: it would ask the system for one block of all a run's intermediates each
+        # run, whose pages all fault (CUDA memory comes from the CUDA provider's own arena
+        # either way).
         options.enable_cpu_mem_arena = self.arena
         options.enable_mem_pattern = self.arena or self.device.type == "cuda"
         if self.arena and self.device.type == "cpu":
