@@ -100,9 +100,6 @@ class DiskCache:
         self._write(self._record_path(key),
                     INDEX_MAGIC + hashlib.sha256(payload).digest() + payload)
 
-    def drop_record(self, key: str) -> None:
-        self._record_path(key).unlink(missing_ok=True)
-
     def _write(self, path: Path, data: bytes) -> None:
         """Write to a temporary file in the folder, then rename: readers never see a torn file.
         A cache that cannot be written is skipped, never fatal."""

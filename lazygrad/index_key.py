@@ -3,25 +3,37 @@
 A new process that has to trace before it can look its graphs up (the traced graphs are the
 disk cache's key) runs its first steps in eager PyTorch for seconds. What a trace produces is
 decided by the module's code, its structure, its non-tensor attributes, the call's signature,
-the policy and the library versions; all of these can be read and hashed in milliseconds, so
-they key an index record naming the graphs an earlier process built (`Runtime` serves them at
-once, and confirms them by tracing in the background).
+the policy, torch's default dtype and the library versions; all of these can be read and hashed
+in milliseconds, so they key an index record naming the graphs an earlier process built, which
+`Runtime` serves at once.
 
 The code is hashed as the source files of every class in the module tree (each class's MRO up to
 `torch.nn.Module`) and of every function held as an attribute, with the version of the package
-each comes from. Code elsewhere (a helper module the forward imports) is not hashed: the trace
-that confirms a served pair catches a change there. Every value is hashed deterministically
-(the same bytes in every process) or not at all: a value that cannot be (a closure, a bound
-method, an object without `__dict__`) makes the key None, and that signature gets no index.
+each comes from, and as the source files of the modules these import (`_helper_files`), read
+from their import statements, however deep, down to installed packages (each named by its
+version). Code outside a library that the key reads is therefore in it: a changed helper file
+misses the index before a step is served. (Graphs served and then confirmed by a trace in the
+background did the same after the fact, with the trace's memory beside the steps: 100 MiB of
+workload A's whole-process peak, `benchmarks/results/memory-targets.md`.) What the key cannot
+see is a module-level variable that the training script reassigns at run time; the README says
+so. Every value is hashed deterministically (the same bytes in every process) or not at all: a
+value that cannot be (a closure, a bound method, an object without `__dict__`) makes the key
+None, and that signature gets no index.
 """
 
 from __future__ import annotations
 
+import ast
 import enum
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import inspect
+import os
+import site
 import sys
+import sysconfig
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -53,12 +65,14 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
     try:
         for name, submodule in module.named_modules(remove_duplicate=False):
             hasher.feed(("module", name, *_code(type(submodule))))
+            hasher.code_modules.update(k.__module__ for k in type(submodule).__mro__)
             hasher.feed((list(submodule._parameters), list(submodule._buffers)))
             hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED})
         hasher.feed(list(state_names))
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
                      signature.state, signature.shapes, parts))
         hasher.feed_structure(signature.structure)
+        hasher.feed(("helpers", _helper_files(hasher.code_modules), str(torch.get_default_dtype())))
     except Unhashable:
         return None
     return hasher.digest.hexdigest()
@@ -96,6 +110,106 @@ def _source_hash(thing: Any) -> str:
     return _file_hash(path)
 
 
+def _helper_files(module_names: Iterable[str]) -> list[tuple[str, str]]:
+    """(module name, source hash) of every module outside the installed libraries that the
+    modules named import, directly or through each other, the named ones included."""
+    found: dict[str, str] = {}
+    queue = sorted(set(module_names))
+    while queue:
+        name = queue.pop()
+        if name in found:
+            continue
+        try:
+            path = _source_path(name)
+        except Exception as error:  # a finder of the import system failing: not sure, no key
+            raise Unhashable(f"cannot locate module {name}: {error}") from error
+        if path is None or _is_library(path):
+            continue
+        found[name] = _file_hash(path)
+        package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+        queue.extend(_imported_names(path, package))
+    return sorted(found.items())
+
+
+def _source_path(name: str) -> str | None:
+    """The Python source file of the module `name`, found without importing it (None: not a
+    module, or not Python source)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        path = getattr(module, "__file__", None)
+    else:
+        parent, _, _ = name.rpartition(".")
+        where = None
+        if parent:
+            where = _search_locations(parent)
+            if where is None:  # the parent is not a package: `name` is an attribute of it
+                return None
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, where)
+        except (ImportError, ValueError):  # no such module: an import of it cannot run either
+            return None
+        path = spec.origin if spec is not None and spec.has_location else None
+    return path if isinstance(path, str) and path.endswith(".py") else None
+
+
+def _search_locations(package: str) -> list[str] | None:
+    module = sys.modules.get(package)
+    if module is not None:
+        return getattr(module, "__path__", None)
+    parent, _, _ = package.rpartition(".")
+    where = _search_locations(parent) if parent else None
+    if parent and where is None:
+        return None
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(package, where)
+    except (ImportError, ValueError):
+        return None
+    return None if spec is None else spec.submodule_search_locations
+
+
+@functools.cache
+def _imported_names(path: str, package: str) -> tuple[str, ...]:
+    """Every module an import statement of the file may name, anywhere in it (a function's own
+    imports too): `from a import b` names `a` and `a.b`, which is a module or an attribute."""
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), path)
+    except (OSError, SyntaxError, ValueError) as error:
+        raise Unhashable(f"cannot read {path}: {error}") from error
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                try:
+                    base = importlib.util.resolve_name("." * node.level + base, package)
+                except (ImportError, ValueError):
+                    continue
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return tuple(names)
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where installed packages and the standard library live: code there is named by its
+    package's version (installing another version is what changes it), not read."""
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots.update(site.getsitepackages())
+    # lazygrad itself: what its code does to graphs is named by the disk format's version
+    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        roots.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
+
+
+def _is_library(path: str) -> bool:
+    return os.path.realpath(path).startswith(_library_roots())
+
+
 @functools.cache
 def _file_hash(path: str) -> str:
     """Read once per process: the code that runs is the code that was loaded."""
@@ -119,6 +233,7 @@ class _Hasher:
         self._seen: dict[int, int] = {}  # id -> order of first visit: a back-reference
         self._held: list[Any] = []  # keeps the ids above unique while hashing
         self._modules = {id(m): name for name, m in root.named_modules()}
+        self.code_modules: set[str] = set()  # modules whose code the key holds: see `_helper_files`
 
     def _put(self, *items: Any) -> None:
         self._budget -= 1
@@ -169,11 +284,13 @@ class _Hasher:
         elif isinstance(value, types.FunctionType):
             if value.__closure__ is not None:
                 raise Unhashable(f"a closure: {value.__qualname__}")
+            self.code_modules.add(value.__module__)
             self._put("function", value.__module__, value.__qualname__,
                       value.__code__.co_firstlineno, _source_hash(value))
             self.feed((value.__defaults__, value.__kwdefaults__))
         elif _python_object(value):
             cls = type(value)
+            self.code_modules.update(k.__module__ for k in cls.__mro__)
             self._put("object", _name(cls), _version(cls.__module__), _source_hash(cls))
             self.feed(vars(value))
         else:

@@ -122,8 +122,6 @@ class Runtime:
         self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
-        self._warned_stale = False  # graphs on disk that no longer match the code: warned once
-        self._distrusted: set[str] = set()  # index keys whose records proved stale (`_stale`)
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -193,8 +191,6 @@ class Runtime:
                 differentiable = [t for t in tensors_of(result) if t.requires_grad]
         if differentiable:
             clock.time_backward(differentiable, self._backward_ended)
-        else:
-            turns.call_ended()
         return result
 
     def _backward_ended(self, wall: float, ort: float) -> None:
@@ -376,7 +372,7 @@ class Runtime:
                 return None
             if mask is not None:
                 self.stats.misses += 1
-            indexed = self._pair_from_index(signature, entry, mask, primals, device)
+            indexed = self._pair_from_index(signature, entry, mask)
             if indexed is not None:
                 return indexed
             structure = None
@@ -544,7 +540,7 @@ class Runtime:
         """At a signature's first call: if the index knows it (what the entry holds, and the
         graphs of the mask its first step planned for in the process that built them), make
         its entry and pair from there, so this call runs through ORT. False: not known."""
-        record = None if key in self._distrusted else self._disk.read_record(key)
+        record = self._disk.read_record(key)
         if record is None or record["state_names"] != list(state):
             return False
         try:
@@ -564,113 +560,31 @@ class Runtime:
             plan=None if record["plan"] is None else tuple(record["plan"]),
             index_key=key,
         )
-        with self._lock:  # held until the entry is in place: a confirmation may drop it
+        with self._lock:
             if signature in self._entries:  # another thread's first call came first
                 return True
-            if self._pair_from_index(signature, entry, entry.plan, primals, device) is None:
+            if self._pair_from_index(signature, entry, entry.plan) is None:
                 return False
             self._entries[signature] = entry
         return True
 
-    def _pair_from_index(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
-                         primals: list[torch.Tensor], device: torch.device) -> GraphPair | None:
+    def _pair_from_index(self, signature: Signature, entry: SignatureEntry,
+                         mask: Mask | None) -> GraphPair | None:
         """The pair the disk index names for (signature, mask), loaded without a trace; None if
-        the index or the graphs are missing. Called under the lock.
-
-        The index key hashes the module's code, but code can depend on files it does not hash,
-        so each served pair is confirmed by tracing once and comparing the traced graphs' key
-        with the one the index named (`_confirm`); a mismatch drops the signature's graphs
-        (`_stale`). Waiting for builds (`Options.wait_for_builds`, strict), the trace runs before
-        the pair serves a step, so steps are exactly those of a process without the index
-        (tests and benchmarks rely on it); only the export and the check are saved. Otherwise
-        the pair serves steps at once and the trace runs on the builder thread from the end of
-        this step (`turns.step_end`) on."""
+        the index or the graphs are missing. Called under the lock. The index key holds the
+        module's code down to its helper files (`index_key.py`), so a pair it names is served
+        at once, as a pair this process built."""
         if self._disk is None or entry.index_key is None:
-            return None
-        if entry.index_key in self._distrusted:  # built anew, and the record written again
-            self._disk.drop_record(pair_key(entry.index_key, mask))
             return None
         record = self._disk.read_record(pair_key(entry.index_key, mask))
         graphs = self._disk.load(record["graphs"]) if record else None
         if graphs is None:
             return None
-        expected = record["graphs"]
         pair = self._pair(graphs, mask, entry)
-        key = (signature, mask)
-        served = PairEntry(pair, EntryStats(mask=mask, forward=entry.id, from_disk=True))
-        structure = None
-        if not (self.options.wait_for_builds or self.options.strict):
-            with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
-                structure = _structure_copy(self.module)
-        if structure is None:
-            # Detached, as a build's primals are: the fake copy of a tensor holding a `.grad`
-            # converts the gradient too, which renumbers the trace's size symbols (its key).
-            detached = [p.detach().requires_grad_(p.requires_grad) for p in primals]
-            reason = builder.run(lambda: self._confirm(
-                signature, entry, mask, detached, self.module, expected))
-            if reason is not None:
-                self._stale(signature, entry, mask, reason)
-                return None
-            self._add(key, served, traced=False)
-            return pair
-        self._add(key, served, traced=False)
-        snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
-        generation = self._generation
-        future = builder.submit(lambda: self._confirm(
-            signature, entry, mask, snapshot, structure, expected), start=turns.step_end())
-        self._building[key] = future
-        future.add_done_callback(lambda done: self._confirmed(key, entry, generation, done))
+        self._add((signature, mask),
+                  PairEntry(pair, EntryStats(mask=mask, forward=entry.id, from_disk=True)),
+                  traced=False)
         return pair
-
-    def _confirm(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
-                 primals: list[torch.Tensor], module: torch.nn.Module,
-                 expected: str) -> str | None:
-        """Trace the call and compare: None if the traced graphs are those the index named,
-        else why not."""
-        try:
-            _, key = self._trace(signature, entry, mask, primals, module)
-        except CaptureError as error:
-            return f"the module no longer traces: {error}"
-        if key != expected:
-            return f"the trace gives graphs {key[:12]}, the index named {expected[:12]}"
-        return None
-
-    def _confirmed(self, key: tuple[Signature, Mask | None], entry: SignatureEntry,
-                   generation: int, done: concurrent.futures.Future) -> None:
-        """A background confirmation ended; a `clear` since then makes it moot."""
-        with self._lock:
-            self._building.pop(key, None)
-            if generation != self._generation or done.cancelled():
-                return
-        failure = done.exception()
-        reason = (done.result() if failure is None
-                  else f"the confirming trace failed: {type(failure).__name__}: {failure}")
-        if reason is not None:
-            self._stale(key[0], entry, key[1], reason)
-
-    def _stale(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
-               reason: str) -> None:
-        """Graphs the index named are not the module's: drop the signature (its entry came
-        from the index too) and the records, and warn once. Its next call is a first call, as
-        in a process without the index, and its builds write new records. The records of its
-        other masks are stale too, likely: this process no longer reads them."""
-        with self._lock:
-            self._distrusted.add(entry.index_key)
-            if self._entries.get(signature) is entry:
-                del self._entries[signature]
-            for key in [k for k in self._pairs if k[0] == signature]:
-                self._pairs.pop(key, None)
-            warn, self._warned_stale = not self._warned_stale, True
-        self._disk.drop_record(pair_key(entry.index_key, mask))
-        self._disk.drop_record(entry.index_key)
-        if warn:
-            warnings.warn(
-                f"lazygrad: graphs on disk no longer match the module's code ({reason}): "
-                f"{type(self.module).__name__} drops them and their index records, and builds "
-                "this input signature again",
-                FallbackWarning,
-                stacklevel=2,
-            )
 
     def _index(self, entry: SignatureEntry, mask: Mask | None, graphs_key: str) -> None:
         """Record in the disk index that (signature, mask) has the graphs `graphs_key`, and,

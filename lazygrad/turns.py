@@ -8,10 +8,6 @@ activations freed), and that thread waits there until the check is done: one ste
 check's run, once per build. A check waits at most `patience` seconds for a backward (a loop that
 never runs one), then runs anyway, as it did before. Builds run one at a time (`builder.py`), so
 at most one check waits.
-
-The same ends of steps start the trace that confirms graphs served from the disk index
-(`step_end`): started at the call that met them, that trace shared the GIL and the cores with
-the first step of a warm process, which it made 3x an eager first step.
 """
 
 from __future__ import annotations
@@ -25,32 +21,6 @@ _waiting = False  # a check waits for its turn
 _granted = False  # a training thread paused at the end of its backward for the check
 _closing = False  # the process exits: a check waits no longer
 _idle = 0  # threads waiting for builds (`between_steps`): no step of theirs holds memory
-_step_end: threading.Event | None = None  # set when the step running now ends (`step_end`)
-
-
-def step_end() -> threading.Event:
-    """An event set when a step running now ends: at the end of a lazy module's backward, of a
-    call without gradients, or when a thread waits for builds."""
-    global _step_end
-    with _condition:
-        if _step_end is None:
-            _step_end = threading.Event()
-        return _step_end
-
-
-def call_ended() -> None:
-    """At the end of a lazy module's call whose results need no backward: a step ended."""
-    if _step_end is None:  # nothing waits for it (every call passes here: no lock then)
-        return
-    with _condition:
-        _end_step()
-
-
-def _end_step() -> None:
-    global _step_end
-    if _step_end is not None:
-        _step_end.set()
-        _step_end = None
 
 
 @contextlib.contextmanager
@@ -77,7 +47,6 @@ def backward_ended() -> None:
     now, and this thread waits until it is done."""
     global _granted
     with _condition:
-        _end_step()
         if not _waiting or _granted:
             return
         _granted = True
@@ -92,7 +61,6 @@ def between_steps() -> Iterator[None]:
     graphs runs no backward meanwhile)."""
     global _idle
     with _condition:
-        _end_step()
         _idle += 1
         _condition.notify_all()
     try:
