@@ -1,17 +1,27 @@
-"""`python -m benchmarks.memory_targets`: issue 10's whole-process peaks, cold and warm cache.
+"""`python -m benchmarks.memory_targets`: issue 10's whole-process peaks and largest batches.
 
-The full `python -m benchmarks.memory` run (every policy, both loops, batch searches) takes over
-an hour now that a lazy loop runs until ORT serves steady steps. This measures only the targets'
-figures: workloads A and B, keep and del loops, eager against lazygrad's default policy, each a
-fresh process (`memory.run_fresh`, default allocator) of 4 steps (lazy loops run on until ORT
-has served steps). Lazygrad runs twice on one disk cache: "cold" (empty: the build, trace,
-export and check, runs in the process, beside eager steps) and "warm" (a second process of the
-same training: its graphs come from the disk index, so no build runs in it). Prints JSON lines
-and writes `results/memory-targets.md`.
+The full `python -m benchmarks.memory` run (every policy, both loops, batch searches in cold
+processes) takes over an hour now that a lazy loop runs until ORT serves steady steps. This
+measures the targets' figures (about 45 minutes; `--no-batches`: the peaks alone, 15):
+
+- Peaks: workloads A and B, keep and del loops, eager against lazygrad's default policy, each a
+  fresh process (`memory.run_fresh`, default allocator) of 4 steps (lazy loops run on until ORT
+  has served steps). Lazygrad runs twice on one disk cache: "cold" (empty: the build, trace,
+  export and check, runs in the process, beside eager steps) and "warm" (a second process of the
+  same training: its graphs come from the disk index, so no build runs in it).
+- Largest batch within eager's batch-16 peak (keep loop), bisected, every probe a fresh process
+  whose whole-process peak is compared with that budget: eager, lazygrad's default policy and
+  `policy="all"` (ORTModule's pessimistic stash). Lazygrad's probes run warm, on the disk cache a
+  batch-16 training filled: graphs are traced with symbolic sizes, so a process at another batch
+  is served by them from its first step, as a user's next run is after a first one at any batch
+  (the cold first run is the peaks' "cold" column).
+
+Prints JSON lines and writes `results/memory-targets.md`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -20,10 +30,57 @@ import tempfile
 from benchmarks import memory
 
 STEPS = 4
+SEARCHED = ("eager", memory.DEFAULT, "all")
+HIGH = {"A": 48, "B": 32}  # a batch assumed not to fit the budget
+PROBES = 4
 
 
-def main() -> None:
-    rows = []
+def peak(workload: str, config: str, batch: int, loop: str = "keep",
+         cache: str | None = None) -> memory.Run:
+    return memory._checked(memory.run_fresh(
+        memory._train_spec(workload, config, loop, batch, STEPS), cache=cache))
+
+
+def largest_batch(workload: str, config: str, budget: float, cache: str | None) -> memory.Search:
+    """Bisected between the batch-16 run (which fits: its peak is the budget, or below it) and
+    HIGH; a probe fits when its whole-process peak stays within the budget."""
+    def fits(batch: int) -> bool:
+        run = peak(workload, config, batch, cache=cache)
+        print(json.dumps({"probe": workload, "config": config, "batch": batch,
+                          "peak": run.peak_mib, "first ORT step": run.first_served}), flush=True)
+        return run.peak_mib <= budget
+
+    return memory.bisect(fits, memory.WORKLOADS[workload].batch, HIGH[workload], PROBES)
+
+
+def batch_rows(peaks: dict) -> list[str]:
+    """The largest-batch table: per workload, each searched config against eager's budget."""
+    lines = ["| workload | config | budget MiB | largest batch | x eager | probes |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    for workload in ("A", "B"):
+        batch = memory.WORKLOADS[workload].batch
+        budget = peaks[(workload, "keep")]["eager"]
+        searches = {}
+        for config in SEARCHED:
+            cache = None
+            if config != "eager":  # a batch-16 training fills the cache the probes read
+                cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
+                peak(workload, config, batch, cache=cache)
+            searches[config] = largest_batch(workload, config, budget, cache)
+        for config, search in searches.items():
+            ratio = memory._ratio_text(memory.batch_ratio(search, searches["eager"]))
+            probes = [f"{batch} fits (budget)" if config == "eager" else f"{batch} fits"]
+            probes += [f"{b} {'fits' if ok else 'fails'}" for b, ok in search.probes]
+            lines.append(f"| {workload} | {memory.label(config)} | {budget:.0f} | {search.text} "
+                         f"| {ratio} | {', '.join(probes)} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
+    parser.add_argument("--no-batches", action="store_true", help="the peaks alone (15 min)")
+    args = parser.parse_args(argv)
+    rows, peaks = [], {}
     for workload in ("A", "B"):
         batch = memory.WORKLOADS[workload].batch
         for loop in ("keep", "del"):
@@ -37,6 +94,7 @@ def main() -> None:
                 found[kind] = run.peak_mib
                 found[f"{kind} first ORT step"] = run.first_served
             rows.append((workload, loop, found))
+            peaks[(workload, loop)] = found
             print(json.dumps({"workload": workload, "loop": loop, **found}), flush=True)
     lines = [
         "# Issue 10's targets: whole-process peak, cold and warm disk cache",
@@ -53,6 +111,9 @@ def main() -> None:
             f"| {workload} | {loop} | {eager:.0f} | {found['cold']:.0f} "
             f"({found['cold'] / eager:.2f}x) | {found['warm']:.0f} ({found['warm'] / eager:.2f}x) |"
         )
+    if not args.no_batches:
+        lines += ["", "Largest batch within eager's batch-16 peak (keep loop; lazygrad warm):", "",
+                  *batch_rows(peaks)]
     (memory.RESULTS / "memory-targets.md").write_text("\n".join(lines) + "\n")
 
 

@@ -191,3 +191,27 @@ def test_the_index_key_is_the_same_for_equal_models_and_none_where_it_cannot_be_
     assert _key(BertPretraining(config), *bert_batch(config, batch=2, seq=5)) == _key(
         BertPretraining(config), *bert_batch(config, batch=3, seq=6))  # sizes are symbols
     assert _key(BertPretraining(config).eval(), *batch) != key
+
+
+def test_the_index_key_reads_the_helper_files_down_to_installed_packages(tmp_path, monkeypatch):
+    """Modules the model's file imports, at its top or inside a function, absolutely or
+    relatively, and the modules those import: hashed; installed packages (torch) and lazygrad:
+    named by their versions, not read; a name imported from a module is not a module."""
+    from lazygrad.index_key import _helper_files
+
+    package = tmp_path / "project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(
+        "import torch\nfrom . import blocks\nfrom .consts import WIDTH\n"
+        "def forward():\n    import project.late\n")
+    (package / "blocks.py").write_text("import lazygrad\nimport project.deep\n")
+    for name in ("consts", "late", "deep"):
+        (package / f"{name}.py").write_text("WIDTH = 3\n")
+    (package / "unused.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "project", raising=False)
+    found = dict(_helper_files(["project.model"]))
+    assert sorted(found) == ["project", "project.blocks", "project.consts", "project.deep",
+                             "project.late", "project.model"]
+    assert "project.late" not in sys.modules  # located without importing it
