@@ -14,6 +14,7 @@ of its graphs, so a new process finds them without tracing (keys: `index_key.py`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -47,7 +48,18 @@ def default_directory() -> Path | None:
 def versions() -> tuple[str, ...]:
     """Everything outside the traced graph that changes the ONNX graphs or how they run."""
     return (MAGIC.decode(), torch.__version__, metadata.version("onnxscript"),
-            onnxruntime.__version__)
+            onnxruntime.__version__, _own_code())
+
+
+@functools.cache
+def _own_code() -> str:
+    """A hash of lazygrad's own source files: its rewrites, export and partition decide the
+    graphs as much as torch does, and an edited checkout has no new version to say so."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _read(path: Path, decode: Callable[[bytes], Any]) -> Any:

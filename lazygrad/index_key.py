@@ -199,7 +199,7 @@ def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     roots.update(site.getsitepackages())
-    # lazygrad itself: what its code does to graphs is named by the disk format's version
+    # lazygrad itself: its code is in the key through `disk_cache.versions`
     roots.add(os.path.dirname(os.path.abspath(__file__)))
     if site.ENABLE_USER_SITE and site.getusersitepackages():
         roots.add(site.getusersitepackages())

@@ -78,6 +78,44 @@ def test_nsp_only_head_exports_one_gemm_and_no_log_softmax_over_the_vocabulary()
     assert any(n.op_type == "ReduceLogSumExp" for n in nodes)
 
 
+def test_a_loss_over_the_vocabulary_saves_row_totals_not_a_log_softmax():
+    """`loss.backward()` through the MLM head: the backward needs the log-softmax, and the
+    logits are an output anyway, so the forward saves each row's logsumexp instead and returns
+    one vocabulary-sized tensor (the logits); outputs and gradients stay eager's."""
+    config = BertConfig(vocab=300, hidden=16, layers=1, heads=2)
+    torch.manual_seed(0)
+    eager = BertPretraining(config)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    ids, mlm, nsp = bert_batch(config, batch=2, seq=8)
+    sizes = []
+    real = graph_pair.GraphPair.forward
+
+    def forward(self, *args, **kwargs):
+        results = real(self, *args, **kwargs)
+        sizes.append([r.shape[-1] for r in results if r.dim() and r.shape[-1] == 300])
+        return results
+
+    for step in range(3):
+        for module in (lazy, eager):
+            module.zero_grad(set_to_none=True)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(graph_pair.GraphPair, "forward", forward)
+            got = lazy(ids, mlm, nsp)
+        want = eager(ids, mlm, nsp)
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_close(a.detach(), b.detach(), f"step {step}: output {index}")
+        got[0].backward()
+        want[0].backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+    assert sizes and all(found == [300] for found in sizes), sizes
+    (entry,) = attach.installed(lazy)._pairs.values()
+    forward_graph = entry.pair.graphs.forward
+    assert not [n for n in forward_graph.graph.node
+                if n.op_type == "LogSoftmax" and _vocab_input(forward_graph, n, 300)]
+
+
 def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bool:
     inferred = onnx.shape_inference.infer_shapes(model)
     for value in inferred.graph.value_info:

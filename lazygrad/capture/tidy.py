@@ -95,7 +95,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
     mutations = [(slot(node), primal) for node, primal in zip(mutation_results, mutated)]
     outputs = []
     for node in user:
-        base, chain = _strip_views(node)
+        base, chain = strip_views(node)
         if not chain or base.op == "placeholder":
             base, chain = node, []
         outputs.append(OutputSlot(slot(base), [_view_step(view) for view in reversed(chain)]))
@@ -167,7 +167,7 @@ def _tidy_backward(
         source = saved_by_name.get(node.name)
         if source is None or symbols.is_symbolic(source.meta.get("val")):
             continue
-        base, chain = _strip_views(source)
+        base, chain = strip_views(source)
         if chain:
             rewrites.append((node, base, chain))
             placeholder_for(base)
@@ -263,7 +263,9 @@ def _value(arg: Any) -> Any:
     return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
-def _strip_views(node: Any) -> tuple[Any, list[fx.Node]]:
+def strip_views(node: Any) -> tuple[Any, list[fx.Node]]:
+    """A node's base and the view ops between (outermost first), where the views' sizes are
+    symbolic or constant."""
     chain = []
     while (
         isinstance(node, fx.Node)
