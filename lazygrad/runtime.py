@@ -177,7 +177,9 @@ class Runtime:
             return self._eager(args, kwargs)
         if getattr(_calling, "active", False):
             return self._dispatch(args, kwargs)
-        # The module the user called: its forward and backward are timed (`Stats.ort_share`).
+        # The module the user called: a check waiting for its turn runs first (`turns.py`); its
+        # forward and backward are timed (`Stats.ort_share`).
+        turns.call_starting()
         _calling.active = True
         started, ort = time.perf_counter(), clock.ort_seconds()
         try:
@@ -190,12 +192,8 @@ class Runtime:
             with contextlib.suppress(ValueError):  # a result lazygrad cannot walk: untimed
                 differentiable = [t for t in tensors_of(result) if t.requires_grad]
         if differentiable:
-            clock.time_backward(differentiable, self._backward_ended)
+            clock.time_backward(differentiable, self._count_time)
         return result
-
-    def _backward_ended(self, wall: float, ort: float) -> None:
-        self._count_time(wall, ort)
-        turns.backward_ended()  # a background build's check runs now, between two steps
 
     def _count_time(self, wall: float, ort: float) -> None:
         with self._lock:

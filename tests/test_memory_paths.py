@@ -168,7 +168,7 @@ def test_forward_check_compares_each_result_as_torch_makes_it_and_keeps_only_wha
         _ForwardCheck(forward, [doubled, plus_one], kept=set())
 
 
-def test_check_waits_for_the_end_of_a_backward_and_that_backward_waits_for_the_check():
+def test_check_waits_for_the_start_of_a_call_and_that_call_waits_for_the_check():
     order = []
 
     def check():
@@ -180,19 +180,19 @@ def test_check_waits_for_the_end_of_a_backward_and_that_backward_waits_for_the_c
     builder = threading.Thread(target=check)
     builder.start()
     time.sleep(0.2)
-    order.append("backward ends")
-    turns.backward_ended()
+    order.append("call starts")
+    turns.call_starting()
     order.append("training goes on")
     builder.join()
-    assert order == ["backward ends", "check starts", "check ends", "training goes on"]
+    assert order == ["call starts", "check starts", "check ends", "training goes on"]
 
 
-def test_check_without_a_backward_runs_after_its_patience():
+def test_check_without_a_call_runs_after_its_patience():
     started = time.perf_counter()
     with turns.check_turn(patience=0.1):
         pass
     assert time.perf_counter() - started < 5
-    turns.backward_ended()  # no check waits: returns at once
+    turns.call_starting()  # no check waits: returns at once
 
 
 def test_import_lazygrad_imports_neither_the_exporter_nor_dynamo():
