@@ -138,33 +138,28 @@ def _source_path(name: str) -> str | None:
     if module is not None:
         path = getattr(module, "__file__", None)
     else:
-        parent, _, _ = name.rpartition(".")
-        where = None
-        if parent:
-            where = _search_locations(parent)
-            if where is None:  # the parent is not a package: `name` is an attribute of it
-                return None
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(name, where)
-        except (ImportError, ValueError):  # no such module: an import of it cannot run either
-            return None
+        spec = _spec(name)
         path = spec.origin if spec is not None and spec.has_location else None
     return path if isinstance(path, str) and path.endswith(".py") else None
 
 
-def _search_locations(package: str) -> list[str] | None:
-    module = sys.modules.get(package)
-    if module is not None:
-        return getattr(module, "__path__", None)
-    parent, _, _ = package.rpartition(".")
-    where = _search_locations(parent) if parent else None
-    if parent and where is None:
-        return None
+def _spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """How the import system would load `name`, asked without importing it or its packages."""
+    parent = name.rpartition(".")[0]
+    where = None
+    if parent:
+        outer = sys.modules.get(parent)
+        if outer is not None:
+            where = getattr(outer, "__path__", None)
+        else:
+            spec = _spec(parent)
+            where = None if spec is None else spec.submodule_search_locations
+        if where is None:  # the parent is not a package: `name` is an attribute of it
+            return None
     try:
-        spec = importlib.machinery.PathFinder.find_spec(package, where)
-    except (ImportError, ValueError):
+        return importlib.machinery.PathFinder.find_spec(name, where)
+    except (ImportError, ValueError):  # no such module: an import of it cannot run either
         return None
-    return None if spec is None else spec.submodule_search_locations
 
 
 @functools.cache

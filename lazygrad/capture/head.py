@@ -47,7 +47,7 @@ def save_log_softmax_as_total(parts: Partitioned, num_kept: int) -> None:
     alive = {strip_views(node)[0] for node in kept + saved if isinstance(node, fx.Node)}
     readers = {p.name: p for p in placeholders(backward)}
     changed = False
-    for node in forward.graph.nodes:
+    for node in list(forward.graph.nodes):
         if not (node.target is aten._log_softmax.default and len(node.args) == 3
                 and not node.args[2]):
             continue
@@ -58,9 +58,11 @@ def save_log_softmax_as_total(parts: Partitioned, num_kept: int) -> None:
                 or strip_views(logits)[0] not in alive or _value(logits) is None):
             continue
         total = _logsumexp(forward.graph, logits, dim % _value(logits).dim())
-        saved = [n for n in saved if n not in copies]
-        saved += [n for n in (logits, total) if n not in saved]
-        _read_as_difference(backward, [readers[n.name] for n in copies], logits, total)
+        # Saved as an alias named as no node of either graph is: tidy (which reads a saved
+        # view's base instead) finds each by the backward placeholder of the same name.
+        reads = [_alias(forward, backward, value) for value in (logits, total)]
+        saved = [n for n in saved if n not in copies] + reads
+        _read_as_difference(backward, [readers[n.name] for n in copies], reads)
         changed = True
     if changed:
         output_node(forward).args = (tuple(kept + saved),)
@@ -89,20 +91,27 @@ def _logsumexp(graph: fx.Graph, logits: fx.Node, dim: int) -> fx.Node:
     return total
 
 
-def _read_as_difference(backward: fx.GraphModule, readers: list[fx.Node], logits: fx.Node,
-                        total: fx.Node) -> None:
-    """The backward reads `logits` and `total` (placeholders named after them, as AOTAutograd
-    names them) and computes from them what the `readers` held."""
+def _alias(forward: fx.GraphModule, backward: fx.GraphModule, value: fx.Node) -> fx.Node:
+    """`alias(value)` in the forward, right after it, named as no node of either graph is."""
+    taken = {n.name for n in forward.graph.nodes} | {n.name for n in backward.graph.nodes}
+    name = next(f"{value.name}_saved{i or ''}" for i in range(len(taken) + 1)
+                if f"{value.name}_saved{i or ''}" not in taken)
+    with forward.graph.inserting_after(value):
+        alias = forward.graph.create_node("call_function", aten.alias.default, (value,), name=name)
+    alias.meta.update(value.meta)
+    return alias
+
+
+def _read_as_difference(backward: fx.GraphModule, readers: list[fx.Node],
+                        reads: list[fx.Node]) -> None:
+    """The backward reads the forward's `reads` (logits, total), through placeholders of their
+    names as AOTAutograd names them, and computes from them what the `readers` held."""
     graph = backward.graph
-    inputs = {p.name: p for p in placeholders(backward)}
     loaded = []
-    for source in (logits, total):
-        found = inputs.get(source.name)
-        if found is None:
-            with graph.inserting_before(readers[0]):
-                found = graph.placeholder(source.name)
-            found.target = found.name
-            found.meta.update(source.meta)
+    for source in reads:
+        with graph.inserting_before(readers[0]):
+            found = graph.placeholder(source.name)
+        found.meta.update(source.meta)
         loaded.append(found)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
