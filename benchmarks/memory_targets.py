@@ -68,7 +68,8 @@ def batch_rows(peaks: dict) -> list[str]:
                 peak(workload, config, batch, cache=cache)
             searches[config] = largest_batch(workload, config, budget, cache)
         for config, search in searches.items():
-            ratio = memory._ratio_text(memory.batch_ratio(search, searches["eager"]))
+            ratio = ("1.00" if config == "eager"
+                     else memory._ratio_text(memory.batch_ratio(search, searches["eager"])))
             probes = [f"{batch} fits (budget)" if config == "eager" else f"{batch} fits"]
             probes += [f"{b} {'fits' if ok else 'fails'}" for b, ok in search.probes]
             lines.append(f"| {workload} | {memory.label(config)} | {budget:.0f} | {search.text} "
