@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
+from lazygrad import heap
 from lazygrad.capture import Captured, Feed
 from lazygrad.graph_pair import GraphPair
 
@@ -56,6 +57,7 @@ def verify(
         kept = read | {slot.index for slot, wanted in zip(pair.graphs.outputs, pair.mask) if wanted}
     with torch.no_grad():
         _ForwardCheck(tidy.forward, results, kept).run(*_feeds(tidy.forward_feeds, values))
+    heap.release_freed_memory()
     if not checking:
         return
     outputs = pair.outputs_in_mask(results, env)
@@ -75,6 +77,7 @@ def verify(
     values = {**values, "saved": results, "cotangent": cotangents}
     with torch.no_grad():
         expected_grads = list(tidy.backward(*_feeds(tidy.backward_feeds, values)))
+    heap.release_freed_memory()  # torch's backward freed: ORT's allocations get it back
     grads = pair.backward(primals, draws, results, cotangents, device)
     del values, results
     gradients = [grads[i] for i in pair.graphs.grads_for]
