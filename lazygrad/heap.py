@@ -5,8 +5,10 @@ and mid-sized blocks, on the builder thread's malloc arena and ORT's threads' ar
 ends they are free, but glibc returns to the system only the free memory at the top of each
 heap, so most of it stayed resident for the rest of the process: 480 MiB after the build on the
 BERT-shaped workload A of `benchmarks/memory.py`, raising every later step's peak by 120 MiB.
-`malloc_trim(0)` releases the free pages inside every arena too. It runs once per build, on the
-builder thread; elsewhere than glibc it does nothing.
+`malloc_trim(0)` releases the free pages inside every arena too. It runs after each build, on
+the builder thread, and inside the build's check between torch's runs and ORT's (`verify.py`):
+there the pages torch freed sat beside ORT's new allocations, which glibc served elsewhere (cold
+B's check 1811 -> 1558 MiB at its peak). Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
