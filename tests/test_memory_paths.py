@@ -78,10 +78,10 @@ def test_nsp_only_head_exports_one_gemm_and_no_log_softmax_over_the_vocabulary()
     assert any(n.op_type == "ReduceLogSumExp" for n in nodes)
 
 
-def test_a_loss_over_the_vocabulary_saves_row_totals_not_a_log_softmax():
+def test_a_loss_over_the_vocabulary_stashes_no_log_softmax():
     """`loss.backward()` through the MLM head: the backward needs the log-softmax, and the
-    logits are an output anyway, so the forward saves each row's logsumexp instead and returns
-    one vocabulary-sized tensor (the logits); outputs and gradients stay eager's."""
+    logits are an output anyway, so the backward computes it again from them and the forward
+    returns one vocabulary-sized tensor (the logits); outputs and gradients stay eager's."""
     config = BertConfig(vocab=300, hidden=16, layers=1, heads=2)
     torch.manual_seed(0)
     eager = BertPretraining(config)

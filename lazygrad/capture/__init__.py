@@ -123,7 +123,7 @@ def capture(
         traced = trace.trace(fn, primals, dynamic, training, module)
     try:
         parts = partition.partition(traced, recompute)
-        head.save_log_softmax_as_total(parts, len(traced.mutated) + len(traced.outputs))
+        head.recompute_log_softmax(parts, len(traced.mutated) + len(traced.outputs))
         for gm in (parts.forward, parts.backward):
             if gm is not None:
                 head.rewrite(gm)

@@ -13,12 +13,14 @@ reads):
   save it, it is no output): `gather(x, d, i) - logsumexp(x, d)` (gathered), the same value
   (log_softmax(x) = x - logsumexp(x)), without the vocabulary-sized result.
 
-A third rewrite spans the pair (`save_log_softmax_as_total`, before the two above): where the
+A third rewrite spans the pair (`recompute_log_softmax`, before the two above): where the
 backward reads `_log_softmax(x)` (cross-entropy's gradient is `exp(log_softmax(x))` less the
 targets) and `x` is kept anyway (a module output, the logits a user gets, or saved already), the
-forward saves each row's `logsumexp(x)` instead and the backward computes `x - logsumexp(x)`
-from the two: one logits-sized buffer less from the forward to the backward's head (62 MiB on
-workload B), for one subtraction in the backward; the forward's pick then needs no log-softmax.
+backward computes `_log_softmax(x)` again from `x` instead of reading a saved one: one
+logits-sized buffer less from the forward to the backward's head (62 MiB on workload B), and
+the forward's pick then needs no log-softmax. The backward runs the same op on the same values
+(`x - logsumexp(x)` from a saved row total came out a few ulps apart, which 50 training steps
+grew past the exactness tests' 1e-4).
 
 All compute the same values as the ops they replace (not a gradient: derivatives come from
 the partition before), and the check (`verify.py`) runs the rewritten FX graph against ORT.
@@ -35,7 +37,7 @@ from lazygrad.capture.tidy import strip_views
 aten = torch.ops.aten
 
 
-def save_log_softmax_as_total(parts: Partitioned, num_kept: int) -> None:
+def recompute_log_softmax(parts: Partitioned, num_kept: int) -> None:
     """The pair rewrite, in place, for every saved log-softmax whose input is kept anyway.
     `num_kept`: the forward's leading results that outlive it regardless (mutated state and the
     module's outputs); the saved tensors follow them."""
@@ -57,12 +59,11 @@ def save_log_softmax_as_total(parts: Partitioned, num_kept: int) -> None:
         if (not copies or any(n.name not in readers for n in copies)
                 or strip_views(logits)[0] not in alive or _value(logits) is None):
             continue
-        total = _logsumexp(forward.graph, logits, dim % _value(logits).dim())
         # Saved as an alias named as no node of either graph is: tidy (which reads a saved
-        # view's base instead) finds each by the backward placeholder of the same name.
-        reads = [_alias(forward, backward, value) for value in (logits, total)]
-        saved = [n for n in saved if n not in copies] + reads
-        _read_as_difference(backward, [readers[n.name] for n in copies], reads)
+        # view's base instead) finds it by the backward placeholder of the same name.
+        read = _alias(forward, backward, logits)
+        saved = [n for n in saved if n not in copies] + [read]
+        _recompute(backward, [readers[n.name] for n in copies], read, node)
         changed = True
     if changed:
         output_node(forward).args = (tuple(kept + saved),)
@@ -78,19 +79,6 @@ def _unaliased(node: fx.Node) -> fx.Node:
     return node
 
 
-def _logsumexp(graph: fx.Graph, logits: fx.Node, dim: int) -> fx.Node:
-    """`logsumexp(logits, [dim], keepdim=True)`: the graph's own if it has one, else a new one
-    right after `logits`."""
-    for user in logits.users:
-        if user.target is aten.logsumexp.default and user.args[1:] == ([dim], True):
-            return user
-    with graph.inserting_after(logits):
-        total = graph.call_function(aten.logsumexp.default, (logits, [dim], True))
-    total.meta.update(logits.meta)
-    total.meta["val"] = aten.logsumexp.default(_value(logits), [dim], True)
-    return total
-
-
 def _alias(forward: fx.GraphModule, backward: fx.GraphModule, value: fx.Node) -> fx.Node:
     """`alias(value)` in the forward, right after it, named as no node of either graph is."""
     taken = {n.name for n in forward.graph.nodes} | {n.name for n in backward.graph.nodes}
@@ -102,23 +90,21 @@ def _alias(forward: fx.GraphModule, backward: fx.GraphModule, value: fx.Node) ->
     return alias
 
 
-def _read_as_difference(backward: fx.GraphModule, readers: list[fx.Node],
-                        reads: list[fx.Node]) -> None:
-    """The backward reads the forward's `reads` (logits, total), through placeholders of their
-    names as AOTAutograd names them, and computes from them what the `readers` held."""
+def _recompute(backward: fx.GraphModule, readers: list[fx.Node], read: fx.Node,
+               log_softmax: fx.Node) -> None:
+    """The backward reads the forward's `read` (the logits), through a placeholder of its name
+    as AOTAutograd names them, and computes from it the log-softmax the `readers` held: the same
+    op on the same values, so the gradients are those of the graphs without this rewrite."""
     graph = backward.graph
-    loaded = []
-    for source in reads:
-        with graph.inserting_before(readers[0]):
-            found = graph.placeholder(source.name)
-        found.meta.update(source.meta)
-        loaded.append(found)
+    with graph.inserting_before(readers[0]):
+        loaded = graph.placeholder(read.name)
+    loaded.meta.update(read.meta)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        difference = graph.call_function(aten.sub.Tensor, tuple(loaded))
-    difference.meta.update(readers[0].meta)
+        again = graph.call_function(log_softmax.target, (loaded, *log_softmax.args[1:]))
+    again.meta.update(readers[0].meta)
     for reader in readers:
-        reader.replace_all_uses_with(difference)
+        reader.replace_all_uses_with(again)
         graph.erase_node(reader)
 
 
@@ -190,10 +176,12 @@ def _pick_without_log_softmax(graph: fx.Graph, gather: fx.Node) -> bool:
     dim = dim % logits_value.dim()
     if softmax_dim % logits_value.dim() != dim:
         return False
-    total = _logsumexp(graph, logits, dim)
     with graph.inserting_before(gather):
         picked = graph.call_function(aten.gather.default, (logits, dim, index))
         picked.meta.update(gather.meta)
+        total = graph.call_function(aten.logsumexp.default, (logits, [dim], True))
+        total.meta.update(source.meta)
+        total.meta["val"] = aten.logsumexp.default(logits_value, [dim], True)
         # Each picked entry's own row total, picked the same way (index sizes may be smaller
         # than the logits' outside `dim`, as gather allows).
         rows = graph.call_function(aten.zeros_like.default, (index,))
