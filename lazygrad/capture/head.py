@@ -17,10 +17,10 @@ A third rewrite spans the pair (`recompute_log_softmax`, before the two above): 
 backward reads `_log_softmax(x)` (cross-entropy's gradient is `exp(log_softmax(x))` less the
 targets) and `x` is kept anyway (a module output, the logits a user gets, or saved already), the
 backward computes `_log_softmax(x)` again from `x` instead of reading a saved one: one
-logits-sized buffer less from the forward to the backward's head (62 MiB on workload B), and
-the forward's pick then needs no log-softmax. The backward runs the same op on the same values
-(`x - logsumexp(x)` from a saved row total came out a few ulps apart, which 50 training steps
-grew past the exactness tests' 1e-4).
+logits-sized buffer less from the forward to the backward's head (62 MiB on workload B). The
+backward runs the same op on the same values (`x - logsumexp(x)` from a saved row total came
+out a few ulps apart, which 50 training steps grew past the exactness tests' 1e-4), and the
+forward keeps its own log-softmax for the pick, freed once picked (`RECOMPUTED`).
 
 All compute the same values as the ops they replace (not a gradient: derivatives come from
 the partition before), and the check (`verify.py`) runs the rewritten FX graph against ORT.
@@ -35,6 +35,10 @@ from lazygrad.capture.partition import Partitioned, output_node, placeholders
 from lazygrad.capture.tidy import strip_views
 
 aten = torch.ops.aten
+# On a forward log-softmax whose backward computes it again: the forward's stays (a transient
+# the backward's head holds as well), not a `logsumexp`, which ORT's CPU provider runs at half
+# the speed of its LogSoftmax (27 against 12 ms over 1024 x 8000, `benchmarks.profile`).
+RECOMPUTED = "lazygrad_log_softmax_recomputed"
 
 
 def recompute_log_softmax(parts: Partitioned, num_kept: int) -> None:
@@ -64,6 +68,7 @@ def recompute_log_softmax(parts: Partitioned, num_kept: int) -> None:
         read = _alias(forward, backward, logits)
         saved = [n for n in saved if n not in copies] + [read]
         _recompute(backward, [readers[n.name] for n in copies], read, node)
+        node.meta[RECOMPUTED] = True
         changed = True
     if changed:
         output_node(forward).args = (tuple(kept + saved),)
@@ -166,6 +171,8 @@ def _pick_without_log_softmax(graph: fx.Graph, gather: fx.Node) -> bool:
     if not (isinstance(source, fx.Node) and source.target is aten._log_softmax.default):
         return False
     if len(source.users) != 1:  # saved for the backward, or an output
+        return False
+    if source.meta.get(RECOMPUTED):  # the backward makes one anyway: ORT's is the faster op
         return False
     logits, softmax_dim, half_to_float = source.args
     if half_to_float:
