@@ -81,20 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
     parser.add_argument("--no-batches", action="store_true", help="the peaks alone (15 min)")
     args = parser.parse_args(argv)
-    rows, peaks = [], {}
+    peaks = {}
     for workload in ("A", "B"):
         batch = memory.WORKLOADS[workload].batch
         for loop in ("keep", "del"):
-            eager = memory._checked(memory.run_fresh(
-                memory._train_spec(workload, "eager", loop, batch, STEPS)))
             cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
-            found = {"eager": eager.peak_mib}
+            found = {"eager": peak(workload, "eager", batch, loop).peak_mib}
             for kind in ("cold", "warm"):
-                run = memory._checked(memory.run_fresh(
-                    memory._train_spec(workload, memory.DEFAULT, loop, batch, STEPS), cache=cache))
+                run = peak(workload, memory.DEFAULT, batch, loop, cache)
                 found[kind] = run.peak_mib
                 found[f"{kind} first ORT step"] = run.first_served
-            rows.append((workload, loop, found))
             peaks[(workload, loop)] = found
             print(json.dumps({"workload": workload, "loop": loop, **found}), flush=True)
     lines = [
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
-    for workload, loop, found in rows:
+    for (workload, loop), found in peaks.items():
         eager = found["eager"]
         lines.append(
             f"| {workload} | {loop} | {eager:.0f} | {found['cold']:.0f} "
