@@ -154,10 +154,11 @@ def test_a_changed_source_file_misses_the_index(tmp_path, change):
     assert_like_eager(changed)
     assert not changed["steps"][0]["ort"]  # the index missed: eager while building
     assert (changed["stats"]["builds"], changed["stats"]["disk_hits"]) == (2, 0)
-    assert changed["warnings"] == []
+    assert changed["stats"]["fallbacks"] == 0 and changed["warnings"] == []
     again = train(cache, TWO_HEADS, path=code)  # the records the rebuilds wrote are right
     assert_like_eager(again)
     assert again["warnings"] == [] and again["stats"]["builds"] == 0
+    assert again["stats"]["fallbacks"] == 0
     assert all(step["ort"] for step in again["steps"])
 
 
