@@ -39,6 +39,9 @@ def verify(
     device: torch.device,
 ) -> None:
     """Raise VerificationError unless ORT's results equal the FX graphs' on these inputs."""
+    # The check runs between two steps (turns.py): the last step's freed pages go back first,
+    # or ORT's forward results land beside them.
+    heap.release_freed_memory()
     tidy = captured.tidy
     primals = [p.detach() for p in primals]
     env = pair.sizes(primals)
