@@ -82,6 +82,11 @@ class GraphPair:
                 found = self._sessions[key] = GraphSession(model, device, state, self._arena)
             return found
 
+    def release_this_threads_bindings(self) -> None:
+        """Forget this thread's bindings of every session, and the module state they hold."""
+        for session in list(self._sessions.values()):
+            session.release_this_threads_binding()
+
     def forward(
         self, primals: Sequence[torch.Tensor], draws: Sequence[torch.Tensor], device: torch.device
     ) -> list[torch.Tensor]:

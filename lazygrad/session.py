@@ -129,6 +129,10 @@ class GraphSession:
                 name = self.output_names[missing.index]
                 raise GraphRunError(f"ORT produced no tensor for output '{name}'") from None
 
+    def release_this_threads_binding(self) -> None:
+        """Drop this thread's binding: it holds the module state it was last run on."""
+        self._bindings.current = None
+
     def _binding(self) -> _Binding:
         """This thread's binding (an IOBinding is not safe to share between threads)."""
         binding = getattr(self._bindings, "current", None)
