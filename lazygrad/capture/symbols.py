@@ -3,7 +3,9 @@
 The trace gives every dynamic input dimension a symbol (s0, s1, ...); sizes derived from them
 (a reshape to `s0 * s1`, `math.sqrt(s2 // 4)`) are sympy expressions. They are kept as Python
 source over the symbol names, so that a graph built once can be stored, loaded and evaluated
-on the sizes of any later call without sympy on the hot path.
+on the sizes of any later call without sympy on the hot path. sympy (32 MiB resident) is imported
+by the functions that build, never at import: a process served from the disk cache, or before its
+first build, does not need it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import sympy
 import torch
 import torch.fx as fx
 
-from lazygrad.capture.private import PythonPrinter
+from lazygrad.capture import private
+
+if TYPE_CHECKING:
+    import sympy
 
 aten = torch.ops.aten
 
@@ -31,6 +36,8 @@ def is_symbolic(value: object) -> bool:
 
 def expression(value: object) -> sympy.Basic:
     """The sympy expression of a SymInt/SymFloat/SymBool (or a plain number)."""
+    import sympy
+
     if is_symbolic(value):
         return value.node.expr  # type: ignore[union-attr]
     return sympy.sympify(value)
@@ -38,14 +45,18 @@ def expression(value: object) -> sympy.Basic:
 
 def to_code(value: object) -> str:
     """Python source for a size or a condition on sizes, over the symbol names."""
+    import sympy
+
     if isinstance(value, (int, float, bool)):
         return repr(value)
     expr = value if isinstance(value, sympy.Basic) else expression(value)
-    return PythonPrinter().doprint(expr)
+    return private.PythonPrinter().doprint(expr)
 
 
 def locations(values: Sequence[object]) -> Locations:
     """Where each symbol appears as a whole dimension of one of `values` (fake tensors)."""
+    import sympy
+
     where: Locations = {}
     for index, value in enumerate(values):
         if not isinstance(value, torch.Tensor):
@@ -61,6 +72,8 @@ def locations(values: Sequence[object]) -> Locations:
 def hints(values: Sequence[object]) -> dict[str, int]:
     """The example value the trace saw for each symbol that is a whole dimension of `values`
     (fake tensors)."""
+    import sympy
+
     found = {}
     for value in values:
         if isinstance(value, torch.Tensor):
@@ -116,6 +129,8 @@ _VARIADIC = {"Max": torch.sym_max, "Min": torch.sym_min}
 
 
 def _emit(graph: fx.Graph, expr: sympy.Basic, where: dict[str, tuple[fx.Node, int]]) -> object:
+    import sympy
+
     def node(target: Callable, args: tuple, val: object) -> fx.Node:
         made = graph.call_function(target, args)
         made.meta["val"] = val

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import sympy
 import torch
 import torch.fx as fx
 from torch.func import functional_call
@@ -287,6 +286,8 @@ def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[s
     match (broadcasting) make the graph valid only where the same holds: such a call gets a
     graph of its own. The symbols' ranges (a dynamic size is at least 2) are conditions too.
     """
+    import sympy  # at a build only, as in symbols.py
+
     conditions = []
     for name in where:
         symbol = sympy.Symbol(name, integer=True, positive=True)
