@@ -79,7 +79,8 @@ class GraphPair:
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
                 model = whole if segment is None else self.graphs.backward_segments[segment]
-                found = self._sessions[key] = GraphSession(model, device, state, self._arena)
+                found = self._sessions[key] = GraphSession(
+                    model, device, state, self._arena, in_node_order=not forward)
             return found
 
     def release_this_threads_bindings(self) -> None:

@@ -45,14 +45,18 @@ class GraphSession:
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
         arena: bool = False,
+        in_node_order: bool = False,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
         signature, which holds them); a new storage or layout is seen. `arena`: ORT takes its
         memory from one CPU arena for the process, which keeps it between runs (default: from
-        the C allocator torch uses too; `benchmarks/steady.py --ablate` measures the arena)."""
+        the C allocator torch uses too; `benchmarks/steady.py --ablate` measures the arena).
+        `in_node_order`: ORT runs ready nodes in the graph's node order (capture/node_order.py),
+        not in its default depth-first order back from the outputs."""
         self.device = device
         self.arena = arena
+        self.in_node_order = in_node_order
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
         self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
@@ -77,6 +81,8 @@ class GraphSession:
         # back as exceptions that the runtime explains; printed as well, they would mislead.
         options.log_severity_level = 4
         options.graph_optimization_level = level
+        if self.in_node_order:
+            options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
         # No arena by default: ORT then allocates with the C allocator torch uses, so the two
         # reuse each other's freed memory as eager's ops do, and ORT keeps none between runs.
         # An arena is a second pool that keeps its peak for good: the forward's outputs and

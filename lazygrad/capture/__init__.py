@@ -5,8 +5,9 @@ The stages, each callable alone: `trace` (AOTAutograd over functional_call on fa
 `partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
 and how to feed each graph), `peephole` (the same values in fewer passes over memory),
 `to_onnx` (direct translation), `segment` (the backward cut into graphs run in order, to free
-the stash as it goes). `capture` runs the first three, `export` the last two; in between,
-`fingerprint` keys the on-disk cache.
+the stash as it goes), `node_order` (the backward as ORT is to run it, in its nodes' order).
+`capture` runs the first three, `export` the last three; in between, `fingerprint` keys the
+on-disk cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ import onnx
 import torch
 import torch.fx as fx
 
-from lazygrad.capture import head, partition, peephole, segment, symbols, tidy, to_onnx, trace
+from lazygrad.capture import (
+    head,
+    node_order,
+    partition,
+    peephole,
+    segment,
+    symbols,
+    tidy,
+    to_onnx,
+    trace,
+)
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
@@ -157,6 +168,8 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
     try:
         forward = to_onnx.to_onnx(tidied.forward)
         backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
+        if backward is not None:
+            backward = node_order.inline_functions(backward)
     except Exception as error:
         where = captured.untranslatable[0][1] if captured.untranslatable else None
         raise CaptureError(f"ONNX export failed: {_innermost(error)}", where) from error
@@ -176,6 +189,9 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         example = symbols.hints([p.meta.get("val") for p in inputs])
         cut = segment.split(backward, stash, segments, example)
         seconds["segment"] = time.perf_counter() - started
+    if backward is not None:  # after the cut: onnx's shape inference knows no contrib op
+        backward = node_order.fuse_transposed_matmuls(backward)
+        cut = [node_order.fuse_transposed_matmuls(part) for part in cut]
     return Graphs(
         forward=forward,
         backward=backward,
