@@ -6,6 +6,7 @@ timing; every step is compared with eager PyTorch."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -89,6 +90,29 @@ def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
         assert ran_through_ort(out)
     stats = lazygrad.stats(lazy)
     assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
+
+
+def test_a_background_build_keeps_no_copy_of_the_parameters():
+    """The build traces and checks a copy of the parameters (the optimizer may update them
+    meanwhile); once it is done nothing holds that copy: not the check's session bindings on
+    the builder thread, which keep the module state they last ran on."""
+    torch.manual_seed(0)
+    lazy = lazygrad.lazy(ThreeHeadMLP(), wait_for_builds=False)
+    x = torch.randn(6, 16)
+    for _ in range(2):
+        out = lazy(x)
+        (out[0].sum() + out[1].mean()).backward()
+        lazy.zero_grad(set_to_none=True)
+        lazygrad.wait_for_builds(lazy)
+    assert ran_through_ort(out) and lazygrad.stats(lazy).builds == 1
+    del out
+    gc.collect()
+    own = {p.untyped_storage().data_ptr() for p in lazy.parameters()}
+    shapes = {tuple(p.shape) for p in lazy.parameters() if p.numel() > 1}  # not placeholders
+    copies = [t for t in gc.get_objects()
+              if isinstance(t, torch.Tensor) and tuple(t.shape) in shapes
+              and t.untyped_storage().data_ptr() not in own]
+    assert copies == []
 
 
 class SlowUpstream(torch.autograd.Function):
