@@ -6,9 +6,10 @@ ends they are free, but glibc returns to the system only the free memory at the 
 heap, so most of it stayed resident for the rest of the process: 480 MiB after the build on the
 BERT-shaped workload A of `benchmarks/memory.py`, raising every later step's peak by 120 MiB.
 `malloc_trim(0)` releases the free pages inside every arena too. It runs after each build, on
-the builder thread, and inside the build's check between torch's runs and ORT's (`verify.py`):
-there the pages torch freed sat beside ORT's new allocations, which glibc served elsewhere (cold
-B's check 1811 -> 1558 MiB at its peak). Elsewhere than glibc it does nothing.
+the builder thread, and in the build's check (`verify.py`): first, as the last step's freed pages
+would sit beside ORT's forward results (cold B del 1585 -> 1317 MiB), and between torch's runs and
+ORT's, where the pages torch freed sat beside ORT's new allocations (the check's peak on cold B
+1811 -> 1558 MiB). Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

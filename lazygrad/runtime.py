@@ -487,7 +487,12 @@ class Runtime:
         for which in ("forward", "backward") if graphs.backward is not None else ("forward",):
             pair.session(which, device)  # made before the turn: the training thread runs on
         with turns.check_turn() if background and mask is not None else contextlib.nullcontext():
-            verify(captured, pair, primals, cotangents, device)
+            try:
+                verify(captured, pair, primals, cotangents, device)
+            finally:
+                # A session's binding keeps the module state it last ran on: on the builder's
+                # thread, the build's copy of the parameters, for the rest of the process.
+                pair.release_this_threads_bindings()
         graphs.seconds["check"] = time.perf_counter() - checked
         if self._disk:
             self._disk.store(key, graphs)

@@ -42,21 +42,6 @@ def verify(
     # The check runs between two steps (turns.py): the last step's freed pages go back first,
     # or ORT's forward results land beside them.
     heap.release_freed_memory()
-    try:
-        _check(captured, pair, primals, cotangents, device)
-    finally:
-        # A session's binding keeps the module state it last ran on: on the builder's thread,
-        # the build's copy of the parameters, for the rest of the process (65 MiB on workload B).
-        pair.release_this_threads_bindings()
-
-
-def _check(
-    captured: Captured,
-    pair: GraphPair,
-    primals: Sequence[torch.Tensor],
-    cotangents: Sequence[torch.Tensor | None] | None,
-    device: torch.device,
-) -> None:
     tidy = captured.tidy
     primals = [p.detach() for p in primals]
     env = pair.sizes(primals)
