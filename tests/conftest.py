@@ -47,6 +47,24 @@ def assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str)
             assert_close(p.grad, q.grad, f"{what}: {name}.grad")
 
 
+def assert_loss_step_like_eager(
+    lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str,
+    run_lazy: Callable[..., Sequence[torch.Tensor]] | None = None,
+) -> None:
+    """One step of both models (grads zeroed, forward, backward of output 0, the loss): the
+    outputs and the gradients are eager's. `run_lazy`: how to call the lazy model (default:
+    `lazy` itself)."""
+    for module in (lazy, eager):
+        module.zero_grad(set_to_none=True)
+    got = (run_lazy or lazy)(*inputs)
+    want = eager(*inputs)
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert_close(a.detach(), b.detach(), f"{what}: output {index}")
+    got[0].backward()
+    want[0].backward()
+    assert_grads_equal(lazy, eager, what)
+
+
 def all_masks(count: int) -> list[tuple[bool, ...]]:
     """Every non-empty grad mask over `count` outputs."""
     return [m for m in itertools.product([False, True], repeat=count) if any(m)]

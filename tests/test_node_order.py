@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import torch
-from conftest import assert_close, assert_grads_equal, lazy_copy
+from conftest import assert_loss_step_like_eager, lazy_copy
 from onnx import TensorProto, helper
 
 import lazygrad
@@ -79,14 +79,7 @@ def test_the_backward_runs_in_node_order_without_function_calls_and_trains_like_
     lazy = lazy_copy(eager)
     inputs = bert_batch(config, batch=2, seq=8)
     for step in range(2):
-        for module in (lazy, eager):
-            module.zero_grad(set_to_none=True)
-        got, expected = lazy(*inputs), eager(*inputs)
-        for index, (g, e) in enumerate(zip(got, expected)):
-            assert_close(g.detach(), e.detach(), f"step {step}: output {index}")
-        got[0].backward()
-        expected[0].backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        assert_loss_step_like_eager(lazy, eager, inputs, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits >= 1
     (entry,) = [e for e in attach.installed(lazy)._pairs.values() if e.pair.graphs.backward]
