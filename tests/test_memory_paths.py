@@ -112,6 +112,65 @@ def test_a_loss_over_the_vocabulary_stashes_no_log_softmax():
             if n.op_type == "LogSoftmax" and _vocab_input(backward_graph, n, 300)]
 
 
+def test_attention_probabilities_are_stashed_once_under_dropout_p0():
+    """`dropout(p=0)` in training traces as a copy of the softmax, which eager never makes; the
+    softmax's derivative reads the softmax and the matmul's reads the copy, so both used to be
+    stashed. The copy is dropped before partitioning: one (batch, heads, seq, seq) tensor per
+    layer leaves the forward, and outputs and gradients stay eager's."""
+    config = BertConfig(vocab=50, hidden=16, layers=2, heads=2)
+    torch.manual_seed(0)
+    eager = BertPretraining(config)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    ids, mlm, nsp = bert_batch(config, batch=3, seq=7)
+    probabilities = (3, 2, 7, 7)
+    counts = []
+    real = graph_pair.GraphPair.forward
+
+    def forward(self, *args, **kwargs):
+        results = real(self, *args, **kwargs)
+        counts.append(sum(tuple(r.shape) == probabilities for r in results))
+        return results
+
+    def run_lazy(*inputs):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(graph_pair.GraphPair, "forward", forward)
+            return lazy(*inputs)
+
+    for step in range(3):
+        assert_loss_step_like_eager(lazy, eager, (ids, mlm, nsp), f"step {step}", run_lazy)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+    assert counts and all(count == config.layers for count in counts), counts
+
+
+class CopiesAnInputItMutates(torch.nn.Module):
+    """A copy of a buffer taken before the buffer is updated in place: the copy holds the old
+    value, so it is not its source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old = self.scale.clone()
+        self.scale.mul_(1.5)
+        y = self.linear(x) * old * self.scale
+        return y.sum(), y
+
+
+def test_a_copy_of_an_input_mutated_later_keeps_the_old_value():
+    torch.manual_seed(0)
+    eager = CopiesAnInputItMutates()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    for step in range(3):
+        assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}")
+        torch.testing.assert_close(lazy.scale, eager.scale)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+
+
 def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bool:
     inferred = onnx.shape_inference.infer_shapes(model)
     for value in inferred.graph.value_info:

@@ -3,7 +3,9 @@
 AOTAutograd's default partitioner places each op where eager autograd runs it and saves what
 the backward reads (the "predict" and "all" policies). The "recompute" policy saves nothing but
 the inputs and random draws: its backward is the forward followed by the backward, in one graph.
-Random ops are lifted out first (draws.py), so both graphs read the same draws as inputs.
+Random ops are lifted out first (draws.py), so both graphs read the same draws as inputs, and
+copies that keep their source's value and layout are dropped (copies.py), so a value is saved
+once.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from lazygrad.capture import copies, private
 from lazygrad.capture import draws as random_draws
-from lazygrad.capture import private
 from lazygrad.capture.trace import Traced
 
 
@@ -36,6 +38,7 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
 
 def partition(traced: Traced, recompute: bool) -> Partitioned:
     draws = random_draws.lift(traced.joint)
+    copies.drop_value_copies(traced.joint)
     if not traced.training:
         return Partitioned(traced.joint, None, draws)
     forward, backward = private.default_partition(
