@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from lazygrad.capture import (
+    gelu,
     head,
     node_order,
     partition,
@@ -189,9 +190,11 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         example = symbols.hints([p.meta.get("val") for p in inputs])
         cut = segment.split(backward, stash, segments, example)
         seconds["segment"] = time.perf_counter() - started
-    if backward is not None:  # after the cut: onnx's shape inference knows no contrib op
-        backward = node_order.fuse_transposed_matmuls(backward)
-        cut = [node_order.fuse_transposed_matmuls(part) for part in cut]
+    # After the cut: onnx's shape inference knows no contrib op.
+    forward = gelu.fuse_erf_gelu(forward)
+    if backward is not None:
+        backward = gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(backward))
+        cut = [gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(part)) for part in cut]
     return Graphs(
         forward=forward,
         backward=backward,

@@ -23,7 +23,7 @@ import onnx
 import onnx.helper
 import onnx.inliner
 
-_ORT_DOMAIN = "com.microsoft"  # FusedMatMul: one of ONNX Runtime's contrib ops, CPU and CUDA
+ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (FusedMatMul, Gelu), CPU and CUDA
 
 
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -43,7 +43,7 @@ def fuse_transposed_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
             if trans_a or trans_b:
                 node = onnx.helper.make_node(
                     "FusedMatMul", [a, b], list(node.output), name=node.name,
-                    domain=_ORT_DOMAIN, transA=trans_a, transB=trans_b, alpha=1.0,
+                    domain=ORT_DOMAIN, transA=trans_a, transB=trans_b, alpha=1.0,
                 )
                 fused += 1
         nodes.append(node)
@@ -53,9 +53,14 @@ def fuse_transposed_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes = [n for n in nodes if n.op_type != "Transpose" or n.output[0] in read]
     del graph.node[:]
     graph.node.extend(nodes)
-    if not any(opset.domain == _ORT_DOMAIN for opset in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(_ORT_DOMAIN, 1))
+    import_ort_domain(model)
     return model
+
+
+def import_ort_domain(model: onnx.ModelProto) -> None:
+    """Declare ORT's contrib-op domain in `model`, once."""
+    if not any(opset.domain == ORT_DOMAIN for opset in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(ORT_DOMAIN, 1))
 
 
 def _untransposed(name: str, made_by: dict[str, onnx.NodeProto]) -> tuple[str, int]:
