@@ -24,7 +24,7 @@ def lazy(target: M, /) -> M: ...
 @overload
 def lazy(
     *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
-    wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = False,
+    wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = True,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -37,7 +37,7 @@ def lazy(
     strict: bool = False,
     wait_for_builds: bool | None = None,
     segments: int = SEGMENTS,
-    arena: bool = False,
+    arena: bool = True,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -55,9 +55,11 @@ def lazy(
     while the graphs build on a background thread, and the first call after that runs in ORT.
     segments: run each backward as up to this many graphs in order (cut where the stash is
     released), freeing the stashed tensors each has read last as it returns; 1: one graph.
-    arena: ORT takes CPU memory from its own arena, which keeps it between steps: measured,
-    steps 3-11% faster and calls ~25 us cheaper, but a whole-process peak 15-25% higher
-    (`benchmarks/results/memory-targets.md`). By default ORT allocates as torch does.
+    arena: ORT takes CPU memory from one arena shared by every session, which keeps it between
+    steps, so a step does not fault its pages in again: measured, steps about 10% faster (13-18%
+    on the 8-layer model of benchmarks/memory.py) at the same whole-process peak
+    (`benchmarks/results/memory-targets.md`). False: ORT allocates with the C allocator torch
+    uses.
     """
     options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments,
                       arena=arena)

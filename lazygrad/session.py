@@ -44,14 +44,14 @@ class GraphSession:
         model: onnx.ModelProto,
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
-        arena: bool = False,
+        arena: bool = True,
         in_node_order: bool = False,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
         signature, which holds them); a new storage or layout is seen. `arena`: ORT takes its
-        memory from one CPU arena for the process, which keeps it between runs (default: from
-        the C allocator torch uses too; `benchmarks/steady.py --ablate` measures the arena).
+        memory from one CPU arena for the process, which keeps it between runs (False: from the
+        C allocator torch uses too; `benchmarks/steady.py --ablate` measures the difference).
         `in_node_order`: ORT runs ready nodes in the graph's node order (capture/node_order.py),
         not in its default depth-first order back from the outputs."""
         self.device = device
@@ -83,18 +83,19 @@ class GraphSession:
         options.graph_optimization_level = level
         if self.in_node_order:
             options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
-        # No arena by default: ORT then allocates with the C allocator torch uses, so the two
-        # reuse each other's freed memory as eager's ops do, and ORT keeps none between runs.
-        # An arena is a second pool that keeps its peak for good: the forward's outputs and
-        # stash, the backward's intermediates, while torch's optimizer and loss allocate beside
-        # it. Measured (benchmarks/results/memory-targets.md, warm disk cache, default policy,
-        # del loop): whole-process peak with the arena -> without, A 1299 -> 1072 MiB, B 1573
-        # -> 1297. The price, in the same rounds (benchmarks.steady --ablate; benchmarks/README
-        # "Latest"): steps 3-11% slower without it, calls about 25 us dearer; `arena=True`
-        # (Options) takes the other side of the trade. Without a CPU arena ORT's memory pattern
-        # is off too: it would ask the system for one block of all a run's intermediates each
-        # run, whose pages all fault (CUDA memory comes from the CUDA provider's own arena
-        # either way).
+        # The arena by default: one CPU arena for every session of the process
+        # (_register_shared_cpu_arena), which keeps its memory between runs. Without it ORT
+        # allocates each run's tensors with the C allocator, and glibc hands the large ones back
+        # to the system (and trims its heap) on free, so every step faults their pages in again:
+        # on the 8-layer model of benchmarks/memory.py, 90-140 thousand page faults a step,
+        # against none with the arena, and steps 13-18% slower. Once the backward ran in
+        # segments and in node order, the arena stopped costing memory: whole-process peaks
+        # (benchmarks.memory_targets --no-batches, 2026-12-04, warm, without -> with) A keep
+        # 1105 -> 1107 MiB, A del 980 -> 985, B keep 1036 -> 1039, B del 1047 -> 1045 (it
+        # cost 15-25% when one ORT run held the whole stash). `arena=False` (Options) gives the
+        # memory to glibc again. Without a CPU arena ORT's memory pattern is off too: it would
+        # ask the system for one block of all a run's intermediates each run, whose pages all
+        # fault (CUDA memory comes from the CUDA provider's own arena either way).
         options.enable_cpu_mem_arena = self.arena
         options.enable_mem_pattern = self.arena or self.device.type == "cuda"
         if self.arena and self.device.type == "cpu":
