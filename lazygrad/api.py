@@ -24,7 +24,7 @@ def lazy(target: M, /) -> M: ...
 @overload
 def lazy(
     *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
-    wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = True,
+    wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = False,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -37,7 +37,7 @@ def lazy(
     strict: bool = False,
     wait_for_builds: bool | None = None,
     segments: int = SEGMENTS,
-    arena: bool = True,
+    arena: bool = False,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -55,11 +55,10 @@ def lazy(
     while the graphs build on a background thread, and the first call after that runs in ORT.
     segments: run each backward as up to this many graphs in order (cut where the stash is
     released), freeing the stashed tensors each has read last as it returns; 1: one graph.
-    arena: ORT takes CPU memory from one arena shared by every session, which keeps it between
-    steps, so a step does not fault its pages in again: measured, steps about 10% faster (13-18%
-    on the 8-layer model of benchmarks/memory.py) at the same whole-process peak
-    (`benchmarks/results/memory-targets.md`). False: ORT allocates with the C allocator torch
-    uses.
+    arena: ORT takes CPU memory from its own arena, which keeps it between steps: measured,
+    steps about 10% faster (13-18% on a deeper model), at the same whole-process peak on a
+    single input shape, but up to 1.9x the peak when shapes and grad masks vary
+    (session.py has the figures). By default ORT allocates as torch does.
     """
     options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments,
                       arena=arena)

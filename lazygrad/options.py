@@ -20,7 +20,7 @@ class Options:
     cache_size: int = 64
     strict: bool = False
     segments: int = SEGMENTS
-    arena: bool = True  # ORT's shared CPU memory arena (session.py: why, and what it costs)
+    arena: bool = False  # ORT's CPU memory arena (session.py: faster, more memory)
     # Block a step until its graphs are built, instead of running it in eager PyTorch while they
     # build in the background. Default: the environment's LAZYGRAD_WAIT_FOR_BUILDS (1: wait).
     wait_for_builds: bool = dataclasses.field(

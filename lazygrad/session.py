@@ -44,14 +44,14 @@ class GraphSession:
         model: onnx.ModelProto,
         device: torch.device,
         persistent: frozenset[str] = frozenset(),
-        arena: bool = True,
+        arena: bool = False,
         in_node_order: bool = False,
     ) -> None:
         """`persistent`: inputs fed the same long-lived tensor every call (module state), whose
         shape and dtype stay as they are for the session's life (a pair's sessions serve one
         signature, which holds them); a new storage or layout is seen. `arena`: ORT takes its
-        memory from one CPU arena for the process, which keeps it between runs (False: from the
-        C allocator torch uses too; `benchmarks/steady.py --ablate` measures the difference).
+        memory from one CPU arena for the process, which keeps it between runs (default: from
+        the C allocator torch uses too; `benchmarks/steady.py --ablate` measures the arena).
         `in_node_order`: ORT runs ready nodes in the graph's node order (capture/node_order.py),
         not in its default depth-first order back from the outputs."""
         self.device = device
@@ -83,18 +83,22 @@ class GraphSession:
         options.graph_optimization_level = level
         if self.in_node_order:
             options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
-        # The arena by default: one CPU arena for every session of the process
-        # (_register_shared_cpu_arena), which keeps its memory between runs. Without it ORT
-        # allocates each run's tensors with the C allocator, and glibc hands the large ones back
-        # to the system (and trims its heap) on free, so every step faults their pages in again:
-        # on the 8-layer model of benchmarks/memory.py, 90-140 thousand page faults a step,
-        # against none with the arena, and steps 13-18% slower. Once the backward ran in
-        # segments and in node order, the arena stopped costing memory: whole-process peaks
-        # (benchmarks.memory_targets --no-batches, 2026-12-04, warm, without -> with) A keep
-        # 1105 -> 1107 MiB, A del 980 -> 985, B keep 1036 -> 1039, B del 1047 -> 1045 (it
-        # cost 15-25% when one ORT run held the whole stash). `arena=False` (Options) gives the
-        # memory to glibc again. Without a CPU arena ORT's memory pattern is off too: it would
-        # ask the system for one block of all a run's intermediates each run, whose pages all
+        # No arena by default: ORT then allocates with the C allocator torch uses, so the two
+        # reuse each other's freed memory as eager's ops do, and ORT keeps none between runs.
+        # An arena is a second pool that keeps its peak for good, and ORT's (even shared by all
+        # sessions, grown by what is asked) fragments when shapes and masks change. Measured on
+        # 2026-12-04, warm disk cache, whole-process peak without -> with it: one shape and one
+        # mask (benchmarks.memory_targets, A and B, keep and del) the same within 5 MiB; but the
+        # BERT-shaped model of benchmarks/workloads.py trained with its three compositions in
+        # turn and then over sequence lengths 64..256 in one process, 869 -> 1032 MiB after the
+        # compositions and 992 -> 1902-1906 MiB after the lengths (1712 with the memory pattern
+        # off too). The price of going without, in the same rounds (benchmarks.steady --ablate,
+        # 2026-12-04 18:55): BERT `loss` / all three 0.899x / 0.843x eager against 0.793x /
+        # 0.757x with the arena, MoE 0.912x against 0.882x; the 8-layer model of workload B,
+        # 13-18% slower: without an arena glibc gives large freed blocks back to the system,
+        # and a step faults 90-140 thousand pages in again. `arena=True` (Options) takes that
+        # side of the trade. Without a CPU arena ORT's memory pattern is off too: it would ask
+        # the system for one block of all a run's intermediates each run, whose pages all
         # fault (CUDA memory comes from the CUDA provider's own arena either way).
         options.enable_cpu_mem_arena = self.arena
         options.enable_mem_pattern = self.arena or self.device.type == "cuda"
