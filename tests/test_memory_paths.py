@@ -171,6 +171,44 @@ def test_a_copy_of_an_input_mutated_later_keeps_the_old_value():
     assert stats.fallbacks == 0 and stats.hits >= 2
 
 
+class SquaresACopiedSlice(torch.nn.Module):
+    """The backward reads a copy of the first rows of a larger tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((self.linear(x)[:2].clone() ** 2).sum(),)
+
+
+def test_a_copy_of_a_view_is_stashed_as_the_copy_not_as_the_views_base():
+    """A copy with its source's layout is dropped, but not a copy of a view: the stash would hold
+    the view's base (all 8 rows) instead of the 2 rows copied."""
+    torch.manual_seed(0)
+    eager = SquaresACopiedSlice()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(8, 4)
+    shapes = []
+    real = graph_pair.GraphPair.forward
+
+    def forward(self, *args, **kwargs):
+        results = real(self, *args, **kwargs)
+        shapes.append([tuple(r.shape) for r in results])
+        return results
+
+    def run_lazy(*inputs):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(graph_pair.GraphPair, "forward", forward)
+            return lazy(*inputs)
+
+    for step in range(3):
+        assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}", run_lazy)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+    assert shapes and all((2, 16) in found and (8, 16) not in found for found in shapes), shapes
+
+
 def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bool:
     inferred = onnx.shape_inference.infer_shapes(model)
     for value in inferred.graph.value_info:

@@ -13,20 +13,24 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from lazygrad.capture.views import VIEW_OPS
+
 _COPIES = (torch.ops.aten.clone.default,)
 
 
 def drop_value_copies(joint: fx.GraphModule) -> int:
     """Point the readers of each layout-preserving copy at its source; returns how many copies
     were dropped. Kept: copies of graph inputs (a mutated input's old value may be what the copy
-    holds), copies the graph returns, and copies whose strides differ from their source's."""
+    holds), copies of views (a saved view is stashed as its base, maybe larger than the copy:
+    tidy.py), copies the graph returns, and copies whose strides differ from their source's."""
     outputs = set(next(n for n in reversed(joint.graph.nodes) if n.op == "output").all_input_nodes)
     dropped = 0
     for node in list(joint.graph.nodes):
         if node.op != "call_function" or node.target not in _COPIES or node in outputs:
             continue
         source = node.args[0]
-        if not isinstance(source, fx.Node) or source.op != "call_function":
+        if not isinstance(source, fx.Node) or source.op != "call_function" \
+                or source.target in VIEW_OPS:
             continue
         if not _same_layout(node.meta.get("val"), source.meta.get("val")):
             continue

@@ -22,16 +22,9 @@ import torch.utils._pytree as pytree
 
 from lazygrad.capture import symbols
 from lazygrad.capture.partition import Partitioned, output_node, placeholders
+from lazygrad.capture.views import VIEW_OPS
 
 aten = torch.ops.aten
-
-VIEW_OPS = {
-    aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
-    aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.slice.Tensor,
-    aten.detach.default, aten.alias.default, aten.reshape.default,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Feed:
