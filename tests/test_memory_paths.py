@@ -88,23 +88,12 @@ def test_a_loss_over_the_vocabulary_stashes_no_log_softmax():
     eager = BertPretraining(config)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     ids, mlm, nsp = bert_batch(config, batch=2, seq=8)
-    sizes = []
-    real = graph_pair.GraphPair.forward
-
-    def forward(self, *args, **kwargs):
-        results = real(self, *args, **kwargs)
-        sizes.append([r.shape[-1] for r in results if r.dim() and r.shape[-1] == 300])
-        return results
-
-    def run_lazy(*inputs):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(graph_pair.GraphPair, "forward", forward)
-            return lazy(*inputs)
-
+    run_lazy, recorded = _recording_forward_shapes(lazy)
     for step in range(3):
         assert_loss_step_like_eager(lazy, eager, (ids, mlm, nsp), f"step {step}", run_lazy)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits >= 2
+    sizes = [[shape[-1] for shape in shapes if shape and shape[-1] == 300] for shapes in recorded]
     assert sizes and all(found == [300] for found in sizes), sizes
     (entry,) = attach.installed(lazy)._pairs.values()
     backward_graph = entry.pair.graphs.backward
@@ -122,24 +111,12 @@ def test_attention_probabilities_are_stashed_once_under_dropout_p0():
     eager = BertPretraining(config)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     ids, mlm, nsp = bert_batch(config, batch=3, seq=7)
-    probabilities = (3, 2, 7, 7)
-    counts = []
-    real = graph_pair.GraphPair.forward
-
-    def forward(self, *args, **kwargs):
-        results = real(self, *args, **kwargs)
-        counts.append(sum(tuple(r.shape) == probabilities for r in results))
-        return results
-
-    def run_lazy(*inputs):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(graph_pair.GraphPair, "forward", forward)
-            return lazy(*inputs)
-
+    run_lazy, recorded = _recording_forward_shapes(lazy)
     for step in range(3):
         assert_loss_step_like_eager(lazy, eager, (ids, mlm, nsp), f"step {step}", run_lazy)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits >= 2
+    counts = [shapes.count((3, 2, 7, 7)) for shapes in recorded]  # (batch, heads, seq, seq)
     assert counts and all(count == config.layers for count in counts), counts
 
 
@@ -189,12 +166,24 @@ def test_a_copy_of_a_view_is_stashed_as_the_copy_not_as_the_views_base():
     eager = SquaresACopiedSlice()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     x = torch.randn(8, 4)
-    shapes = []
+    run_lazy, recorded = _recording_forward_shapes(lazy)
+    for step in range(3):
+        assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}", run_lazy)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 2
+    assert recorded and all((2, 16) in found and (8, 16) not in found for found in recorded), \
+        recorded
+
+
+def _recording_forward_shapes(lazy: torch.nn.Module):
+    """(a call of `lazy` that records the shapes of its ORT forward's results, the list of those
+    records, one per forward run)."""
+    recorded: list[list[tuple[int, ...]]] = []
     real = graph_pair.GraphPair.forward
 
     def forward(self, *args, **kwargs):
         results = real(self, *args, **kwargs)
-        shapes.append([tuple(r.shape) for r in results])
+        recorded.append([tuple(r.shape) for r in results])
         return results
 
     def run_lazy(*inputs):
@@ -202,11 +191,7 @@ def test_a_copy_of_a_view_is_stashed_as_the_copy_not_as_the_views_base():
             patch.setattr(graph_pair.GraphPair, "forward", forward)
             return lazy(*inputs)
 
-    for step in range(3):
-        assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}", run_lazy)
-    stats = lazygrad.stats(lazy)
-    assert stats.fallbacks == 0 and stats.hits >= 2
-    assert shapes and all((2, 16) in found and (8, 16) not in found for found in shapes), shapes
+    return run_lazy, recorded
 
 
 def _vocab_input(model: onnx.ModelProto, node: onnx.NodeProto, vocab: int) -> bool:
