@@ -67,9 +67,6 @@ def _erf_gelu(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto],
         if _is(scaled, "Div") and scaled.input[0] == x \
                 and _near(constants.get(scaled.input[1]), math.sqrt(2.0)):
             return x, [half, one_plus, erf, scaled]
-        if _is(scaled, "Mul") and x in scaled.input and _near(
-                constants.get(next((i for i in scaled.input if i != x), "")), math.sqrt(0.5)):
-            return x, [half, one_plus, erf, scaled]
     return None
 
 
