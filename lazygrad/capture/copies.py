@@ -15,8 +15,6 @@ import torch.fx as fx
 
 from lazygrad.capture.views import VIEW_OPS
 
-_COPIES = (torch.ops.aten.clone.default,)
-
 
 def drop_value_copies(joint: fx.GraphModule) -> int:
     """Point the readers of each layout-preserving copy at its source; returns how many copies
@@ -26,7 +24,7 @@ def drop_value_copies(joint: fx.GraphModule) -> int:
     outputs = set(next(n for n in reversed(joint.graph.nodes) if n.op == "output").all_input_nodes)
     dropped = 0
     for node in list(joint.graph.nodes):
-        if node.op != "call_function" or node.target not in _COPIES or node in outputs:
+        if node.target is not torch.ops.aten.clone.default or node in outputs:
             continue
         source = node.args[0]
         if not isinstance(source, fx.Node) or source.op != "call_function" \

@@ -61,7 +61,7 @@ def _erf_gelu(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto],
         half = made_by.get(bracket)
         one_plus = _operand(half, "Mul", 0.5, made_by, constants)
         erf = _operand(one_plus, "Add", 1.0, made_by, constants)
-        if erf is None or not _is(erf, "Erf"):
+        if not _is(erf, "Erf"):
             continue
         scaled = made_by.get(erf.input[0])
         if _is(scaled, "Div") and scaled.input[0] == x \
