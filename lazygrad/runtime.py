@@ -7,7 +7,8 @@ checking `verify`'s, running `GraphPair`'s and `Step`'s.
 The life of a signature: its first call runs in eager PyTorch (its grad mask is not known yet),
 with a `MaskProbe` on the outputs; at that step's backward the mask is known and the one pair of
 graphs for it is built. From the next call on, the forward runs in ORT with the graphs of the
-mask last seen, and a backward with another mask is a miss that builds (or finds) its pair.
+mask forecast from the masks seen so far (`forecast.py`), and a backward with another mask is a
+miss that builds (or finds) its pair.
 An inference call (no grad) builds its forward graph right after its first, eager, call.
 """
 
@@ -30,6 +31,7 @@ from lazygrad import attach, builder, clock, disk_cache, turns
 from lazygrad.capture import Captured, CaptureError, Graphs, capture, export, functional, unchanged
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
+from lazygrad.forecast import MaskForecast
 from lazygrad.function import LazyFunction, MaskProbe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
@@ -79,8 +81,9 @@ class SignatureEntry:
     differentiable: Mask  # per flat tensor output: eager's requires_grad
     state_names: list[str]
     device: torch.device  # of every tensor of the call and the module (part of the signature)
-    plan: Mask | None = None  # the mask the forward stashes for; None until a backward
+    plan: Mask | None = None  # the last mask served; the forward's plan where none is forecast
     index_key: str | None = None  # its records in the disk index (None: it has none)
+    forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
 
 @dataclasses.dataclass
@@ -214,7 +217,7 @@ class Runtime:
             reason = self._fallbacks.get(signature)
             broken = signature in self._broken
             entry = self._entries.get(signature)
-            plan = (entry.plan if signature.grad else None) if entry is not None else None
+            number, plan = self._plan(signature, entry) if entry is not None else (0, None)
             found = self._pairs.get((signature, plan)) if entry is not None else None
         if reason is None and not broken and entry is None and self._doomed is not None:
             self._run_doomed(signature)
@@ -240,8 +243,8 @@ class Runtime:
         device = entry.device
         try:
             if signature.grad:
-                outputs = LazyFunction.apply(self._step(signature, entry, pair, env, device),
-                                             *primals)
+                step = self._step(signature, entry, pair, env, device, number)
+                outputs = LazyFunction.apply(step, *primals)
             else:
                 with self._lock:
                     found.stats.hits += 1
@@ -250,25 +253,41 @@ class Runtime:
             return self._fall_back(signature, call, args, kwargs, str(error))
         return entry.template.rebuild(list(outputs))
 
+    def _plan(self, signature: Signature, entry: SignatureEntry) -> tuple[int, Mask | None]:
+        """A call's number in the signature's forecast and the mask its forward stashes for
+        (None: inference): the forecast's where its pair is at hand, else the last served.
+        Called under the lock."""
+        if not signature.grad:
+            return 0, None
+        number = entry.forecast.next_call()
+        if self.options.policy != "all":
+            forecast = entry.forecast.plan(number)
+            if forecast is not None and (signature, forecast) in self._pairs:
+                return number, forecast
+        return number, entry.plan
+
     def _step(self, signature: Signature, entry: SignatureEntry, pair: GraphPair,
-              env: dict[str, int], device: torch.device) -> Step:
+              env: dict[str, int], device: torch.device, number: int) -> Step:
         def pair_for(mask: Mask, primals: list[torch.Tensor],
                      cotangents: tuple) -> GraphPair | None:
             try:
-                return self._pair_for(signature, entry, mask, primals, cotangents, device)
+                found = self._pair_for(signature, entry, mask, primals, cotangents, device)
             except BuildFailed as failure:
                 # Found at build time, inside this backward: this step's gradients come from
                 # eager PyTorch, and the next call of the signature no longer runs whole.
                 self._give_up(signature, str(failure), failure.where)
                 return None
+            if found is not None and self.options.policy != "all":
+                entry.plan = mask
+            return found
 
         def eager_backward(primals: list[torch.Tensor], cotangents: tuple,
                            generator: torch.Tensor | None) -> list[torch.Tensor | None]:
             return self._eager_backward(signature, entry, primals, cotangents, generator)
 
         def on_mask(mask: Mask) -> None:
-            if self.options.policy != "all":
-                entry.plan = mask
+            with self._lock:
+                entry.forecast.record(number, mask)
 
         return Step(pair, entry.differentiable, self.options.policy, env, device, pair_for,
                     self._count_recompute, on_mask, eager_backward)

@@ -87,10 +87,10 @@ class Step:
             return [None] * count
         if self.policy == "all":
             return self._backward_all(primals, draws, kept, grads, mask)
+        self._on_mask(mask)
         pair = self._pair_for(mask, primals, grads)
         if pair is None:
             return self._eager_backward(primals, grads, self._generator_state)
-        self._on_mask(mask)
         if self.policy == "recompute":
             return pair.backward(primals, draws, [], grads, self.device)
         if pair is self.pair:
