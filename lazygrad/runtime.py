@@ -303,8 +303,19 @@ class Runtime:
         key: str | None,
     ) -> Any:
         """Run eagerly; remember the signature; build now (inference) or at backward. `key`:
-        its records in the disk index, written when its graphs are built."""
+        its records in the disk index, written when its graphs are built.
+
+        A call that changed the module's own plain attributes builds nothing: those are part of
+        the signature, so graphs for the one it started with would serve no later call (a
+        set-up done once, as Hugging Face installing its output hooks at the first forward;
+        a counter bumped at every call, whose calls then all run eagerly as they must)."""
         result = self._eager_or_explain(args, kwargs, call)
+        with self._lock:
+            changed = self._state.read()[1] != signature.modes
+            if changed:
+                self.stats.eager_steps += 1
+        if changed:
+            return result
         try:
             template, tensors = OutputTemplate.of(result)
         except ValueError as error:

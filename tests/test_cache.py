@@ -122,3 +122,53 @@ def test_stats_is_a_snapshot_that_prints_a_table():
     assert snapshot.hits == 0 and lazygrad.stats(lazy).hits == 1
     text = str(lazygrad.stats(lazy))
     assert "hit_rate=50.0%" in text and "100" in text
+
+
+class SetUpOnFirstCall(torch.nn.Module):
+    """Sets a flag at its first forward (as Hugging Face models install their output hooks) and
+    counts its calls; the count scales the output on every 3rd call."""
+
+    def __init__(self, counting: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+        self.counting = counting
+        self.set_up = False
+        self.calls = 0
+
+    def forward(self, x):
+        self.set_up = True
+        if self.counting:
+            self.calls += 1
+            return self.linear(x) * (2.0 if self.calls % 3 == 0 else 1.0)
+        return self.linear(x)
+
+
+def _steps_like_eager(counting: bool, steps: int) -> lazygrad.Stats:
+    torch.manual_seed(0)
+    eager = SetUpOnFirstCall(counting)
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    x = torch.randn(5, 6)
+    for step in range(steps):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        got, want = lazy(x), eager(x)
+        assert_close(got.detach(), want.detach(), f"step {step}: output")
+        got.sum().backward()
+        want.sum().backward()
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step}: {name}.grad")
+        assert (lazy.set_up, lazy.calls) == (eager.set_up, eager.calls)
+    return lazygrad.stats(lazy)
+
+
+def test_a_first_call_that_sets_up_the_module_builds_for_the_module_as_set_up():
+    stats = _steps_like_eager(counting=False, steps=4)
+    # The first call changed the signature (its flag): no trace for the old one. The second,
+    # the first with the flag set, runs eagerly and builds; the other two run through ORT.
+    assert (stats.exports, stats.builds, stats.disk_hits) == (1, 1, 0)
+    assert (stats.eager_steps, stats.hits, stats.fallbacks) == (2, 2, 0)
+
+
+def test_a_module_that_counts_its_calls_runs_every_call_eagerly_and_builds_nothing():
+    stats = _steps_like_eager(counting=True, steps=4)
+    assert (stats.builds, stats.eager_steps, stats.hits) == (0, 4, 0)

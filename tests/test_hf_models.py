@@ -122,10 +122,11 @@ def test_moe_runs_whole_through_ort_and_matches_eager(kind):
             _assert_grads_match(lazy, model, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and not stats.parts, stats.reasons
-    # (Its first call sets a Python attribute: the second call is a second signature.)
+    # Its first call sets a Python attribute (its output hooks installed): nothing is built for
+    # the signature that call started with, one signature serves the rest.
     masks: dict[str, set] = {}
     for entry in stats.entries:
         masks.setdefault(entry.forward, set()).add(entry.mask)
-    assert sorted(len(m) for m in masks.values()) == [1, 2], masks
+    assert sorted(len(m) for m in masks.values()) == [2], masks
     assert stats.builds + stats.disk_hits == len(stats.entries) and stats.hits >= 3
     assert stats.ort_share > 0
