@@ -44,9 +44,9 @@ def lazy(
     `@lazygrad.lazy` on an `nn.Module` class makes every instance lazy; `lazygrad.lazy(model)`
     makes one existing instance lazy (and returns it). With arguments, `@lazygrad.lazy(...)`.
 
-    policy: what the forward keeps for backward: "predict" (what the mask last seen reads),
-    "all" (what every output's backward reads; zeros for the others, as ORTModule does) or
-    "recompute" (inputs and random draws only; the backward recomputes the forward).
+    policy: what the forward keeps for backward: "predict" (what the backward of the mask
+    forecast from the masks seen reads, `forecast.py`), "all" (what every output's backward
+    reads; zeros for the others, as ORTModule does) or "recompute" (inputs and random draws only; the backward recomputes the forward).
     cache_size: how many pairs of graphs (one per signature and mask) the model keeps (LRU).
     strict: raise `LazygradError` instead of falling back to eager PyTorch (builds are then
     waited for, so the step that meets a failure raises).
