@@ -46,7 +46,8 @@ def lazy(
 
     policy: what the forward keeps for backward: "predict" (what the backward of the mask
     forecast from the masks seen reads, `forecast.py`), "all" (what every output's backward
-    reads; zeros for the others, as ORTModule does) or "recompute" (inputs and random draws only; the backward recomputes the forward).
+    reads; zeros for the others, as ORTModule does) or "recompute" (inputs and random draws
+    only; the backward recomputes the forward).
     cache_size: how many pairs of graphs (one per signature and mask) the model keeps (LRU).
     strict: raise `LazygradError` instead of falling back to eager PyTorch (builds are then
     waited for, so the step that meets a failure raises).

@@ -70,8 +70,11 @@ def verify(
                 torch.randn_like(o) if o is not None and o.is_floating_point() else None
                 for o in outputs
             ]
+    # Contiguous, as the trace's were and as ORT is fed them: the FX backward views them (a
+    # gradient that came through a transpose failed the check with torch's view error).
     cotangents = [
-        (c.detach() if c is not None else torch.zeros_like(o)) if o is not None else None
+        (c.detach().contiguous() if c is not None else torch.zeros_like(o))
+        if o is not None else None
         for c, o in zip(cotangents, outputs)
     ]
     # Only what the backward reads stays.

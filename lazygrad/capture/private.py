@@ -69,6 +69,24 @@ def compiling() -> Iterator[None]:
             os.environ[_TENSORIFY] = previous_tensorify
 
 
+@contextlib.contextmanager
+def plain_lstm() -> Iterator[None]:
+    """Inside, torch's LSTM decomposition takes its per-step path (matmuls and pointwise ops),
+    never the one through `mkldnn_rnn_layer`, which it picks on the CPU for an input that needs
+    no gradient: that op has no ONNX translation, nor has its backward, and an LSTM over raw
+    features fell back. The decomposition runs under the Python dispatcher, that is in traces;
+    eager calls run the C++ kernel, so the training thread's steps are not touched. One trace
+    at a time holds this (as `compiling`)."""
+    decompositions = importlib.import_module("torch._decomp.decompositions")
+    chosen = decompositions.select_one_layer_lstm_function
+    decompositions.select_one_layer_lstm_function = (
+        lambda input, hx, params: decompositions.one_layer_lstm)
+    try:
+        yield
+    finally:
+        decompositions.select_one_layer_lstm_function = chosen
+
+
 def in_backward() -> bool:
     """Whether this thread is inside an autograd backward now."""
     return torch._C._current_graph_task_id() != -1
@@ -116,7 +134,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "in_backward", "queue_at_backward_end", "release_saved_tensors", *_LAZY]
+__all__ = ["compiling", "plain_lstm", "in_backward", "queue_at_backward_end",
+           "release_saved_tensors", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,11 @@ their heads are not differentiated.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -159,9 +161,11 @@ def trace(
             # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
             # The Python dispatcher: AOTAutograd runs the traced forward once more on the fakes
             # for its outputs, and without it some meta kernels (index's broadcast, as in
-            # bilinear upsampling) reach C++ ops that refuse symbolic sizes.
+            # bilinear upsampling) reach C++ ops that refuse symbolic sizes. An LSTM as its
+            # per-step ops (`private.plain_lstm`).
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
-                    private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH):
+                    private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
+                    private.plain_lstm():
                 outputs = compiled(*fakes)
         except CaptureError:
             raise
@@ -334,24 +338,32 @@ def describe(error: Exception) -> str:
 
 @contextlib.contextmanager
 def unchanged(module: torch.nn.Module) -> Iterator[None]:
-    """Restore every submodule's parameters, buffers and children (by identity) on exit.
+    """Restore every submodule's attributes on exit: its parameters, buffers and children (by
+    identity), its other attributes (one the trace set is removed), and the items of its list
+    and dict attributes.
 
     functional_call swaps the module's tensors for the trace's and swaps them back; with a module
     shared under several names and tied weights, a failure half-way could leave a trace tensor
-    inside the real module. Whatever happens in the block, the module comes out as it went in.
+    inside the real module. A module may also keep its tensors in a list of its own, which the
+    swap updates in passing (an RNN's `_flat_weights` kept the trace's tensors, and the next
+    call failed on them). Whatever happens in the block, the module comes out as it went in.
     """
-    saved = [
-        (table, dict(table))
-        for m in module.modules()
-        for table in (m._parameters, m._buffers, m._modules)
-    ]
+    saved = []
+    for m in module.modules():
+        saved.append((m.__dict__, dict(m.__dict__)))
+        saved.extend((value, value.copy()) for value in m.__dict__.values()
+                     if type(value) in (list, dict, collections.OrderedDict))
     try:
         yield
     finally:
-        for table, entries in saved:
-            if table.keys() != entries.keys() or any(table[k] is not v for k, v in entries.items()):
-                table.clear()
-                table.update(entries)
+        for container, items in saved:
+            if isinstance(container, list):
+                if len(container) != len(items) or any(map(operator.is_not, container, items)):
+                    container[:] = items
+            elif container.keys() != items.keys() or any(
+                    container[k] is not v for k, v in items.items()):
+                container.clear()
+                container.update(items)
 
 
 class _Original(torch.nn.Module):
