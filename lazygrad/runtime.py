@@ -44,7 +44,7 @@ from lazygrad.session import GraphRunError
 from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
-from lazygrad.verify import VerificationError, verify
+from lazygrad.verify import VerificationError, verify, verify_like_eager
 
 Mask = tuple[bool, ...]
 _creation_lock = threading.Lock()
@@ -205,6 +205,12 @@ class Runtime:
 
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
         call = flatten_call(args, kwargs)
+        if any(t.is_nested or t.layout != torch.strided for t in call.tensors):
+            # A nested or sparse tensor (a module's inference fast path hands its layers
+            # one): no graph takes it, so the call runs as it would without lazygrad.
+            with self._lock:
+                self.stats.eager_steps += 1
+            return self._eager(args, kwargs)
         with self._lock:
             state, modes = self._state.read()
             signature = self._signatures.of(call, state, modes)
@@ -338,7 +344,7 @@ class Runtime:
                 )
         if not signature.grad:
             try:
-                self._pair_for(signature, entry, None, primals, None, device)
+                self._pair_for(signature, entry, None, primals, None, device, tensors)
             except BuildFailed as failure:
                 return self._fall_back(signature, call, args, kwargs, str(failure), result,
                                        failure.where)
@@ -378,9 +384,11 @@ class Runtime:
         primals: list[torch.Tensor],
         cotangents: tuple | None,
         device: torch.device,
+        eager_outputs: list[torch.Tensor] | None = None,
     ) -> GraphPair | None:
         """The pair for (signature, mask): a hit, or a miss that builds it. None mask: the
-        inference graph.
+        inference graph; `eager_outputs`: what eager PyTorch returned for `primals`, which a new
+        inference graph must return too (`verify_like_eager`).
 
         Waiting for builds (`Options.wait_for_builds`, strict mode), the build runs now, under
         the lock, so two threads meeting a new mask build it once; a failure raises
@@ -409,7 +417,8 @@ class Runtime:
                     structure = _structure_copy(self.module)
             if structure is None:
                 built = builder.run(lambda: self._build(
-                    signature, entry, mask, primals, cotangents, device, self.module, False))
+                    signature, entry, mask, primals, cotangents, device, self.module, False,
+                    eager_outputs))
                 self._add(key, built)
                 return built.pair
             # The build reads this call's tensors after the caller has moved on (an optimizer
@@ -418,9 +427,11 @@ class Runtime:
             snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
             given = None if cotangents is None else tuple(
                 None if c is None else c.detach().clone() for c in cotangents)
+            expected = None if eager_outputs is None else [
+                o.detach().clone() for o in eager_outputs]
             generation = self._generation
             future = builder.submit(lambda: self._build(
-                signature, entry, mask, snapshot, given, device, structure, True))
+                signature, entry, mask, snapshot, given, device, structure, True, expected))
             self._building[key] = future
         future.add_done_callback(lambda done: self._built(key, entry, generation, done))
         return None
@@ -476,13 +487,14 @@ class Runtime:
         device: torch.device,
         module: torch.nn.Module,
         background: bool,
+        eager_outputs: list[torch.Tensor] | None,
     ) -> PairEntry:
         """Runs on the builder thread: the pair, checked, with its statistics. `background`:
         the caller has moved on (tiered execution), so the check takes its turn (`turns.py`)."""
         started = time.perf_counter()
         try:
             pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
-                                               device, module, background)
+                                               device, module, background, eager_outputs)
         except (CaptureError, VerificationError, GraphRunError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None)) from error
         stats = EntryStats(
@@ -504,6 +516,7 @@ class Runtime:
         device: torch.device,
         module: torch.nn.Module,
         background: bool,
+        eager_outputs: list[torch.Tensor] | None,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
         captured, key = self._trace(signature, entry, mask, primals, module)
@@ -519,6 +532,8 @@ class Runtime:
         with turns.check_turn() if background and mask is not None else contextlib.nullcontext():
             try:
                 verify(captured, pair, primals, cotangents, device)
+                if eager_outputs is not None:
+                    verify_like_eager(pair, primals, eager_outputs, device)
             finally:
                 # A session's binding keeps the module state it last ran on: on the builder's
                 # thread, the build's copy of the parameters, for the rest of the process.

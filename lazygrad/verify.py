@@ -96,6 +96,37 @@ def verify(
         _compare(actual, wanted, f"gradient {index}")
 
 
+def verify_like_eager(
+    pair: GraphPair,
+    primals: Sequence[torch.Tensor],
+    eager_outputs: Sequence[torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Raise VerificationError unless the inference graph returns, on the call that eager
+    PyTorch ran, what eager returned.
+
+    `verify` holds ORT to the trace; this holds the trace to the module. A module whose code
+    takes another path when traced than when run computes something else: nn.TransformerEncoder
+    under no_grad runs a nested-tensor fast path that zeroes padded positions, which a trace
+    cannot take, and its graph returned other values there. A graph with random draws is not
+    compared (its draws are not eager's)."""
+    if pair.graphs.draws:
+        return
+    primals = [p.detach() for p in primals]
+    outputs = pair.outputs(pair.forward(primals, [], device), pair.sizes(primals))
+    if len(outputs) != len(eager_outputs):
+        raise VerificationError(
+            f"the graph returns {len(outputs)} tensors, eager PyTorch {len(eager_outputs)}")
+    for index, (actual, wanted) in enumerate(zip(outputs, eager_outputs)):
+        try:
+            _compare(actual, wanted.detach(), f"output {index}")
+        except VerificationError as error:
+            raise VerificationError(
+                f"the traced graph does not compute what the module computes when it runs ("
+                f"{error}; eager PyTorch's output on the same call): its code takes another "
+                f"path under tracing, such as a fast path for inference") from None
+
+
 class _ForwardCheck(fx.Interpreter):
     """Runs an FX forward graph in torch, comparing each result with ORT's (`got`, in the graph's
     output order) as soon as it is made; ORT's is then dropped from `got` unless its index is in

@@ -192,3 +192,25 @@ def test_a_mask_whose_build_fails_at_backward_is_served_by_eager_with_the_same_d
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.builds == 1 and stats.eager_steps == 2  # first + redo
     assert stats.parts["a"].hits > 0 and stats.parts["b"].hits > 0
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_an_inference_fast_path_a_trace_cannot_take_is_refused_not_served(wait):
+    """nn.TransformerEncoder under no_grad with a padding mask runs a nested-tensor fast path
+    that zeroes padded positions; its trace takes the ordinary path, which does not. The graph
+    is held to eager's result on the first call, refused, and the encoder runs in parts, whose
+    layers get the nested tensor and run eagerly: every call returns eager's values."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    eager = torch.nn.TransformerEncoder(layer, 1).eval()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=wait)
+    x = torch.randn(2, 4, 8)
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(3):
+            got, want = lazy(x, src_key_padding_mask=pad), eager(x, src_key_padding_mask=pad)
+            assert torch.equal(got, want), f"call {call}"
+            lazygrad.wait_for_builds(lazy)
+    assert not got[1, 2:].any()  # the fast path's zeros
+    assert any("does not compute what the module computes" in str(w.message) for w in caught)
