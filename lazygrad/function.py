@@ -2,16 +2,18 @@
 
 `LazyFunction` is one call through ONNX Runtime. `MaskProbe` sits on the outputs of a call that
 ran in eager PyTorch (the first step of a signature): it passes the gradients through unchanged
-and tells the runtime which outputs received one, the grad mask to build graphs for.
+and tells the runtime which outputs received one, the grad mask to build graphs for
+(`behind_probe`).
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Protocol
 
 import torch
 
-from lazygrad.capture.private import release_saved_tensors
+from lazygrad.capture.private import release_saved_tensors, set_versions
 
 
 class Step(Protocol):
@@ -32,8 +34,8 @@ class Step(Protocol):
 
 
 class Probe(Protocol):
-    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The gradients that reached the probed outputs (None: that output got none)."""
+    def on_gradient(self, index: int, grad: torch.Tensor) -> None:
+        """The gradient that reached probed output `index` (one that gets none is not told)."""
 
 
 class LazyFunction(torch.autograd.Function):
@@ -64,15 +66,42 @@ class LazyFunction(torch.autograd.Function):
 
 class MaskProbe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, probe: Probe, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, probe: Probe, index: int, same: bool, output: torch.Tensor
+                ) -> torch.Tensor:
         ctx.set_materialize_grads(False)
-        ctx.probe = probe
-        return tuple(output.view_as(output) for output in outputs)
+        ctx.probe, ctx.index = probe, index
+        if same:
+            ctx.mark_dirty(output)
+            return output
+        return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        ctx.probe.on_backward(grads)
-        return (None, *grads)
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if grad is not None:
+            ctx.probe.on_gradient(ctx.index, grad)
+        return None, None, None, grad
+
+
+def behind_probe(probe: Probe, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`outputs` (eager's, each requiring grad), each behind a MaskProbe of its own.
+
+    What a Function returns as it was given is a view, which may not be changed in place: a
+    model that divides a submodule's output in place (`y = proj(x); y /= scale`) failed at the
+    first step, and ran from the second, through ORT. So an output comes back as the very
+    tensor eager made, marked as changed in place by its probe, at its version of before (the
+    eager graph's saved tensors stay valid). Not where it is a leaf or a view, or shares memory
+    with another output: marking would change another tensor's history; those come back as
+    views, as the outputs of later calls that are views do (`LazyFunction`)."""
+    storages = collections.Counter(o.untyped_storage().data_ptr() for o in outputs)
+    probed = []
+    for index, output in enumerate(outputs):
+        same = not output.is_leaf and output._base is None and storages[
+            output.untyped_storage().data_ptr()] == 1
+        version = output._version
+        probed.append(MaskProbe.apply(probe, index, same, output))
+        if same:
+            set_versions(probed[-1:], [version])
+    return probed
 
 
 def _refuse_double_backward() -> None:

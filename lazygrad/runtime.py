@@ -29,10 +29,11 @@ import torch
 
 from lazygrad import attach, builder, clock, disk_cache, turns
 from lazygrad.capture import Captured, CaptureError, Graphs, capture, export, functional, unchanged
+from lazygrad.capture.private import queue_at_backward_end
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.forecast import MaskForecast
-from lazygrad.function import LazyFunction, MaskProbe
+from lazygrad.function import LazyFunction, behind_probe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
 from lazygrad.index_key import index_key, pair_key
@@ -353,7 +354,7 @@ class Runtime:
         if not probed:
             return result
         probe = _FirstBackward(self, signature, entry, primals, len(tensors), probed, device)
-        for index, tensor in zip(probed, MaskProbe.apply(probe, *(tensors[i] for i in probed))):
+        for index, tensor in zip(probed, behind_probe(probe, [tensors[i] for i in probed])):
             tensors[index] = tensor
         return template.rebuild(tensors)
 
@@ -808,7 +809,8 @@ class Runtime:
 
 
 class _FirstBackward:
-    """The probe of a first step: at its backward, the runtime builds for the mask seen."""
+    """The probe of a first step: when its backward has ended, the runtime builds for the mask
+    seen (the outputs' probes report one by one; the mask is whole only at the end)."""
 
     def __init__(self, runtime: Runtime, signature: Signature, entry: SignatureEntry,
                  primals: list[torch.Tensor], count: int, probed: list[int],
@@ -816,11 +818,18 @@ class _FirstBackward:
         self.runtime, self.signature, self.entry = runtime, signature, entry
         self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
         self.count, self.probed, self.device = count, probed, device
+        self._grads: dict[int, torch.Tensor] = {}
 
-    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def on_gradient(self, index: int, grad: torch.Tensor) -> None:
+        if not self._grads:
+            queue_at_backward_end(self._backward_ended)
+        self._grads[index] = grad
+
+    def _backward_ended(self) -> None:
+        grads, self._grads = self._grads, {}
         cotangents: list[torch.Tensor | None] = [None] * self.count
-        for index, grad in zip(self.probed, grads):
-            cotangents[index] = grad
+        for index, grad in grads.items():
+            cotangents[self.probed[index]] = grad
         mask = tuple(c is not None for c in cotangents)
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
                                     tuple(cotangents), self.device)

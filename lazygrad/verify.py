@@ -11,6 +11,7 @@ segments is checked as it runs: segment after segment, against the whole FX back
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -70,8 +71,8 @@ def verify(
                 torch.randn_like(o) if o is not None and o.is_floating_point() else None
                 for o in outputs
             ]
-    # Contiguous, as the trace's were and as ORT is fed them: the FX backward views them (a
-    # gradient that came through a transpose failed the check with torch's view error).
+    # Contiguous, as ORT is fed them. The trace's had its outputs' layouts, which a view in
+    # the FX backward may rely on: torch runs it with views as reshapes (`_Reshaping`).
     cotangents = [
         (c.detach().contiguous() if c is not None else torch.zeros_like(o))
         if o is not None else None
@@ -82,7 +83,7 @@ def verify(
     results = [tensor if index in read else None for index, tensor in enumerate(results)]
     values = {**values, "saved": results, "cotangent": cotangents}
     with torch.no_grad():
-        expected_grads = list(tidy.backward(*_feeds(tidy.backward_feeds, values)))
+        expected_grads = list(_Reshaping(tidy.backward).run(*_feeds(tidy.backward_feeds, values)))
     heap.release_freed_memory()  # torch's backward freed: ORT's allocations get it back
     grads = pair.backward(primals, draws, results, cotangents, device)
     del values, results
@@ -125,6 +126,17 @@ def verify_like_eager(
                 f"the traced graph does not compute what the module computes when it runs ("
                 f"{error}; eager PyTorch's output on the same call): its code takes another "
                 f"path under tracing, such as a fast path for inference") from None
+
+
+class _Reshaping(fx.Interpreter):
+    """Runs an FX graph with every `view` as a `reshape`: the same values, whatever the layout
+    of the tensors it is given (a gradient that came through a transpose, or a contiguous one
+    for a permuted output, made torch's view fail where ORT, which has no layouts, ran)."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.view.default:
+            target = torch.ops.aten.reshape.default
+        return super().call_function(target, args, kwargs)
 
 
 class _ForwardCheck(fx.Interpreter):

@@ -198,3 +198,44 @@ def test_replacing_a_head_or_a_parameter_after_the_first_call_is_seen():
     assert_close(outputs[1].detach(), _reference(model)(x)[1].detach(), "output, new bias")
     outputs[2].sum().backward()
     assert model.embed.weight.grad is None and model.embed.bias.grad is not None
+
+
+class Heads(torch.nn.Module):
+    """Two outputs: a projection and an `exp`, whose backward reads the output itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h * 2, h.exp()
+
+
+def test_outputs_may_be_changed_in_place_from_the_first_call_as_in_eager():
+    torch.manual_seed(0)
+    eager = Heads()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x = torch.randn(4, 6)
+    for step in range(3):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        results = []
+        for model in (lazy, eager):
+            scaled, grown = model(x)
+            scaled /= 2.0  # the first call's output too (it failed: a Function's view)
+            (scaled.sum() + grown.sum()).backward()
+            results.append((scaled.detach(), grown.detach()))
+        for got, want in zip(*results):
+            assert_close(got, want, f"step {step}: output")
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step}: {name}.grad")
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+def test_changing_an_output_that_eager_saved_raises_eagers_error_at_the_first_call_too():
+    lazy = lazygrad.lazy(Heads(), wait_for_builds=True)
+    _, grown = lazy(torch.randn(4, 6))  # the first call: eager, behind the probe
+    grown += 1  # exp's backward reads this output: eager refuses the backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grown.sum().backward()

@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -135,7 +135,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = ["compiling", "plain_lstm", "in_backward", "queue_at_backward_end",
-           "release_saved_tensors", *_LAZY]
+           "release_saved_tensors", "set_versions", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -162,6 +162,14 @@ def release_saved_tensors(ctx: object) -> None:
         return
     for saved in ctx._raw_saved_tensors:  # type: ignore[attr-defined]
         saved.register_hooks(_dropped, _dropped)
+
+
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Set the tensors' autograd version counters: a probe that hands the very tensors back,
+    marked as changed in place (`function.behind_probe`), puts back the bump that marking
+    made, so the eager graph's saved tensors stay valid and only the user's own in-place
+    change is seen, as in eager."""
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
 
 
 def _dropped(_: object) -> None:
