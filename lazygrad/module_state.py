@@ -105,6 +105,11 @@ def _unchanged(attributes: _Attributes, dicts: list[dict]) -> bool:
     )
 
 
+def plain_attributes(module: torch.nn.Module) -> tuple:
+    """The module's own plain attributes (its flags, sizes and modes), as (name, value) pairs."""
+    return tuple(item for item in module.__dict__.items() if _is_plain(item[1]))
+
+
 def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
     modes = tuple(tuple(item for item in d.items() if _is_plain(item[1])) for d in dicts)
     if previous is not None and modes == previous.modes:

@@ -37,7 +37,7 @@ from lazygrad.function import LazyFunction, behind_probe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
 from lazygrad.index_key import index_key, pair_key
-from lazygrad.module_state import ModuleState
+from lazygrad.module_state import ModuleState, plain_attributes
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, tensors_of
 from lazygrad.parts import parts_of
@@ -724,7 +724,8 @@ class Runtime:
         culprits = self._culprits(where)
         if culprits:
             kind = type(self.module.get_submodule(culprits[0])).__name__
-            reason += f" (in {where}, a {kind}: every {kind} runs without graphs of its own)"
+            reason += (f" (in {where}, a {kind}: every {kind} with its settings runs without "
+                       "graphs of its own)")
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
         parts = self._part_runtimes()
@@ -752,11 +753,16 @@ class Runtime:
         )
 
     def _culprits(self, where: str | None) -> list[str]:
-        """The submodules (qualified names) of the same class as the failing one, `where`."""
+        """The submodules (qualified names) of the same class and the same plain attributes as
+        the failing one, `where`: the same code on the same settings fails alike, where another
+        setting may not (BatchNorm with momentum None reads a tensor's value as a number, and
+        every other BatchNorm of the model ran eagerly with it)."""
         if not where:
             return []
-        kind = type(self.module.get_submodule(where))
-        return [name for name, m in self.module.named_modules() if name and type(m) is kind]
+        failing = self.module.get_submodule(where)
+        settings = plain_attributes(failing)
+        return [name for name, m in self.module.named_modules()
+                if name and type(m) is type(failing) and plain_attributes(m) == settings]
 
     def _record(self, signature: Signature, reason: str, in_parts: bool) -> bool:
         """Record a break or fallback (and drop the signature's graphs); False if the signature

@@ -214,3 +214,24 @@ def test_an_inference_fast_path_a_trace_cannot_take_is_refused_not_served(wait):
             lazygrad.wait_for_builds(lazy)
     assert not got[1, 2:].any()  # the fast path's zeros
     assert any("does not compute what the module computes" in str(w.message) for w in caught)
+
+
+def test_a_failing_submodule_condemns_only_those_of_its_class_with_its_settings():
+    """BatchNorm with momentum None reads `num_batches_tracked` as a number (a value a trace
+    cannot have); the model breaks, that BatchNorm runs eagerly, and the other BatchNorm, with
+    its own momentum, is captured as a part of its own."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(  # no bias before a BatchNorm: its gradient is 0 in exact math
+        torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4, momentum=None),
+        torch.nn.Tanh(), torch.nn.Conv2d(4, 4, 3, bias=False), torch.nn.BatchNorm2d(4))
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x, weights = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lazygrad.GraphBreakWarning)
+        for step in range(3):
+            _step(lazy, eager, (x,), lambda out: (out * weights).sum(), f"step {step}")
+    for (name, got), want in zip(lazy.named_buffers(), eager.buffers()):
+        assert_close(got.double(), want.double(), name)
+    parts = lazygrad.stats(lazy).parts
+    assert lazygrad.stats(lazy).breaks == 1 and parts["1"].hits == 0
+    assert parts["4"].hits > 0 and parts["4"].fallbacks == 0
