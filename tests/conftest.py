@@ -65,6 +65,21 @@ def assert_loss_step_like_eager(
     assert_grads_equal(lazy, eager, what)
 
 
+def sum_step_like_eager(
+    lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str
+) -> torch.Tensor:
+    """One step of two single-output models (grads zeroed, forward, backward of the output's
+    sum): the output and the gradients are eager's. Returns the lazy model's output."""
+    for module in (lazy, eager):
+        module.zero_grad(set_to_none=True)
+    got, want = lazy(*inputs), eager(*inputs)
+    assert_close(got.detach(), want.detach(), f"{what}: output")
+    got.sum().backward()
+    want.sum().backward()
+    assert_grads_equal(lazy, eager, what)
+    return got
+
+
 def all_masks(count: int) -> list[tuple[bool, ...]]:
     """Every non-empty grad mask over `count` outputs."""
     return [m for m in itertools.product([False, True], repeat=count) if any(m)]

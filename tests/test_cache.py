@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import torch
-from conftest import MODEL_CASES, assert_close, compose_loss, lazy_copy, reference_vjp
+from conftest import (
+    MODEL_CASES,
+    assert_close,
+    compose_loss,
+    lazy_copy,
+    reference_vjp,
+    sum_step_like_eager,
+)
 
 import lazygrad
 
@@ -149,14 +156,7 @@ def _steps_like_eager(counting: bool, steps: int) -> lazygrad.Stats:
     lazy = lazy_copy(eager, wait_for_builds=True)
     x = torch.randn(5, 6)
     for step in range(steps):
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = lazy(x), eager(x)
-        assert_close(got.detach(), want.detach(), f"step {step}: output")
-        got.sum().backward()
-        want.sum().backward()
-        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
-            assert_close(p.grad, q.grad, f"step {step}: {name}.grad")
+        sum_step_like_eager(lazy, eager, (x,), f"step {step}")
         assert (lazy.set_up, lazy.calls) == (eager.set_up, eager.calls)
     return lazygrad.stats(lazy)
 
