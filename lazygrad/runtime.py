@@ -126,6 +126,7 @@ class Runtime:
         self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
+        self._changing_calls = 0  # first calls in a row that changed the module's attributes
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -318,9 +319,14 @@ class Runtime:
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         result = self._eager_or_explain(args, kwargs, call)
         with self._lock:
-            changed = self._state.read()[1] != signature.modes
+            modes = self._state.read()[1]
+            changed = modes != signature.modes
             if changed:
                 self.stats.eager_steps += 1
+            self._changing_calls = self._changing_calls + 1 if changed else 0
+            every_call = self._changing_calls == 2
+        if every_call:  # not a set-up done once: said once, as a fallback
+            self._fall_back_for_changes(signature.modes, modes)
         if changed:
             return result
         try:
@@ -751,6 +757,21 @@ class Runtime:
             FallbackWarning,
             stacklevel=5,
         )
+
+    def _fall_back_for_changes(self, before: tuple, after: tuple) -> None:
+        """Calls in a row change the module's own plain attributes (a counter): each call is
+        a signature of its own and runs eagerly; say so once, with the attributes' names."""
+        names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
+        reason = (f"{type(self.module).__name__}: each call changes the module's own attributes "
+                  f"({', '.join(names)}), which graphs are specialised on, so its calls run in "
+                  "eager PyTorch")
+        if self.options.strict:
+            raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
+        with self._lock:
+            self.stats.fallbacks += 1
+            self.stats.reasons.append(reason)
+        warnings.warn(f"lazygrad falls back to eager PyTorch: {reason}", FallbackWarning,
+                      stacklevel=6)
 
     def _culprits(self, where: str | None) -> list[str]:
         """The submodules (qualified names) of the same class and the same plain attributes as

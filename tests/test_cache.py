@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 from conftest import (
     MODEL_CASES,
@@ -169,6 +172,12 @@ def test_a_first_call_that_sets_up_the_module_builds_for_the_module_as_set_up():
     assert (stats.eager_steps, stats.hits, stats.fallbacks) == (2, 2, 0)
 
 
-def test_a_module_that_counts_its_calls_runs_every_call_eagerly_and_builds_nothing():
-    stats = _steps_like_eager(counting=True, steps=4)
-    assert (stats.builds, stats.eager_steps, stats.hits) == (0, 4, 0)
+@pytest.mark.falls_back
+def test_a_module_that_counts_its_calls_runs_every_call_eagerly_and_says_so_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", lazygrad.FallbackWarning)
+        stats = _steps_like_eager(counting=True, steps=4)
+    assert (stats.builds, stats.eager_steps, stats.hits, stats.fallbacks) == (0, 4, 0, 1)
+    said = [str(w.message) for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
+    assert len(said) == 1 and "attributes (calls)" in said[0]
+    assert said[0].endswith(stats.reasons[0])
