@@ -34,8 +34,8 @@ class Step(Protocol):
 
 
 class Probe(Protocol):
-    def on_gradient(self, index: int, grad: torch.Tensor) -> None:
-        """The gradient that reached probed output `index` (one that gets none is not told)."""
+    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The gradients that reached the probed outputs (None: that output got none)."""
 
 
 class LazyFunction(torch.autograd.Function):
@@ -66,41 +66,38 @@ class LazyFunction(torch.autograd.Function):
 
 class MaskProbe(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, probe: Probe, index: int, same: bool, output: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx: Any, probe: Probe, same: tuple[bool, ...], *outputs: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        ctx.probe, ctx.index = probe, index
-        if same:
-            ctx.mark_dirty(output)
-            return output
-        return output.view_as(output)
+        ctx.probe = probe
+        ctx.mark_dirty(*(o for o, kept in zip(outputs, same) if kept))
+        return tuple(o if kept else o.view_as(o) for o, kept in zip(outputs, same))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if grad is not None:
-            ctx.probe.on_gradient(ctx.index, grad)
-        return None, None, None, grad
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.probe.on_backward(grads)
+        return (None, None, *grads)
 
 
-def behind_probe(probe: Probe, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`outputs` (eager's, each requiring grad), each behind a MaskProbe of its own.
+def behind_probe(probe: Probe, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`outputs` (eager's, each requiring grad) behind one MaskProbe.
 
     What a Function returns as it was given is a view, which may not be changed in place: a
     model that divides a submodule's output in place (`y = proj(x); y /= scale`) failed at the
     first step, and ran from the second, through ORT. So an output comes back as the very
-    tensor eager made, marked as changed in place by its probe, at its version of before (the
+    tensor eager made, marked as changed in place by the probe, at its version of before (the
     eager graph's saved tensors stay valid). Not where it is a leaf or a view, or shares memory
-    with another output: marking would change another tensor's history; those come back as
-    views, as the outputs of later calls that are views do (`LazyFunction`)."""
+    with another output: marking would change another tensor's history, and autograd allows a
+    marked view only as a Function's one output; those come back as views, as the outputs of
+    later calls that are views do (`LazyFunction`). One node for all outputs: the backward of
+    any of them runs it, and with it eager's graph of the others, whose saved tensors it then
+    frees (a vocabulary head's log-softmax, kept alive by the held outputs otherwise)."""
     storages = collections.Counter(o.untyped_storage().data_ptr() for o in outputs)
-    probed = []
-    for index, output in enumerate(outputs):
-        same = not output.is_leaf and output._base is None and storages[
-            output.untyped_storage().data_ptr()] == 1
-        version = output._version
-        probed.append(MaskProbe.apply(probe, index, same, output))
-        if same:
-            set_versions(probed[-1:], [version])
+    same = tuple(not o.is_leaf and o._base is None and storages[o.untyped_storage().data_ptr()] == 1
+                 for o in outputs)
+    versions = [o._version for o, kept in zip(outputs, same) if kept]
+    probed = MaskProbe.apply(probe, same, *outputs)
+    set_versions([o for o, kept in zip(probed, same) if kept], versions)
     return probed
 
 

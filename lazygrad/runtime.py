@@ -29,7 +29,6 @@ import torch
 
 from lazygrad import attach, builder, clock, disk_cache, turns
 from lazygrad.capture import Captured, CaptureError, Graphs, capture, export, functional, unchanged
-from lazygrad.capture.private import queue_at_backward_end
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.forecast import MaskForecast
@@ -836,8 +835,7 @@ class Runtime:
 
 
 class _FirstBackward:
-    """The probe of a first step: when its backward has ended, the runtime builds for the mask
-    seen (the outputs' probes report one by one; the mask is whole only at the end)."""
+    """The probe of a first step: at its backward, the runtime builds for the mask seen."""
 
     def __init__(self, runtime: Runtime, signature: Signature, entry: SignatureEntry,
                  primals: list[torch.Tensor], count: int, probed: list[int],
@@ -845,18 +843,11 @@ class _FirstBackward:
         self.runtime, self.signature, self.entry = runtime, signature, entry
         self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
         self.count, self.probed, self.device = count, probed, device
-        self._grads: dict[int, torch.Tensor] = {}
 
-    def on_gradient(self, index: int, grad: torch.Tensor) -> None:
-        if not self._grads:
-            queue_at_backward_end(self._backward_ended)
-        self._grads[index] = grad
-
-    def _backward_ended(self) -> None:
-        grads, self._grads = self._grads, {}
+    def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         cotangents: list[torch.Tensor | None] = [None] * self.count
-        for index, grad in grads.items():
-            cotangents[self.probed[index]] = grad
+        for index, grad in zip(self.probed, grads):
+            cotangents[index] = grad
         mask = tuple(c is not None for c in cotangents)
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
                                     tuple(cotangents), self.device)
