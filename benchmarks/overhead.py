@@ -116,7 +116,8 @@ def _stages(model: torch.nn.Module, x: torch.Tensor) -> dict[str, Callable[[], o
         return runtime._signatures.of(call, state, modes)
 
     def run_pair() -> object:
-        return template.rebuild(pair.outputs(pair.forward(primals, [], device), env))
+        roots = pair.roots(pair.forward(primals, [], device), env)
+        return template.rebuild(pair.module_outputs(roots, primals, env))
 
     return {"signature": signature, "pair": run_pair}
 

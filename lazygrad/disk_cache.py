@@ -29,7 +29,7 @@ import onnx
 import onnxruntime
 import torch
 
-from lazygrad.capture import Draw, Feed, Graphs, OutputSlot
+from lazygrad.capture import Draw, Feed, Graphs, OutputSlot, OutputView
 
 ENV_VAR = "LAZYGRAD_CACHE_DIR"
 MAGIC = b"LAZYGRAD-GRAPHS-6\n"
@@ -176,8 +176,12 @@ def _decode(data: bytes) -> Graphs | None:
         forward_feeds=[Feed(**f) for f in header["forward_feeds"]],
         backward_feeds=[Feed(**f) for f in header["backward_feeds"]],
         mutations=[tuple(m) for m in header["mutations"]],
-        outputs=[
+        roots=[
             OutputSlot(o["index"], [(name, args) for name, args in o["views"]])
+            for o in header["roots"]
+        ],
+        outputs=[
+            OutputView(o["source"], o["index"], [(name, args) for name, args in o["views"]])
             for o in header["outputs"]
         ],
         grads_for=header["grads_for"],

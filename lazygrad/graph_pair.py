@@ -40,7 +40,14 @@ class GraphPair:
         )
         # Where each graph input sits among the call's values, per count of each kind of value.
         self._positions: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-        self._output_views = [(slot.index, _views(slot.views)) for slot in graphs.outputs]
+        self._root_views = [(slot.index, _views(slot.views)) for slot in graphs.roots]
+        self._output_views = [(o.source == "root", o.index, _views(o.views))
+                              for o in graphs.outputs]
+        # The roots that get a cotangent: those the outputs of the mask are made from.
+        self.root_mask: tuple[bool, ...] | None = None if mask is None else tuple(
+            any(bit and o.source == "root" and o.index == k for o, bit in zip(graphs.outputs, mask))
+            for k in range(len(graphs.roots))
+        )
         self._segments = _schedule(graphs) if graphs.backward_segments else []
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -105,21 +112,35 @@ class GraphPair:
             for result, primal in self.graphs.mutations:
                 primals[primal].copy_(results[result])
 
-    def outputs(self, results: Sequence[torch.Tensor], env: dict[str, int]) -> list[torch.Tensor]:
+    def roots(self, results: Sequence[torch.Tensor], env: dict[str, int]) -> list[torch.Tensor]:
+        """What the autograd node returns: the roots of the module's outputs (`aliases.py`)."""
         return [
             _apply(views, results[index], env) if views else results[index]
-            for index, views in self._output_views
+            for index, views in self._root_views
         ]
 
-    def outputs_in_mask(
+    def module_outputs(self, roots: Sequence[torch.Tensor], primals: Sequence[torch.Tensor],
+                       env: dict[str, int]) -> list[torch.Tensor]:
+        """The module's flat outputs, made from the roots (and primals) by views in torch:
+        outside the autograd node, so that autograd sums their gradients into the roots'."""
+        return [
+            _apply(views, (roots if of_root else primals)[index], env)
+            for of_root, index, views in self._output_views
+        ]
+
+    def output_mask(self, root_mask: Sequence[bool]) -> tuple[bool, ...]:
+        """The grad mask of the module outputs when these roots get a gradient."""
+        return tuple(of_root and root_mask[index] for of_root, index, _ in self._output_views)
+
+    def roots_in_mask(
         self, results: Sequence[torch.Tensor | None], env: dict[str, int]
     ) -> list[torch.Tensor | None]:
-        """The module outputs this pair's mask gives a gradient; None for the others, whose
-        results may already be gone."""
-        assert self.mask is not None
+        """The roots this pair's mask gives a cotangent; None for the others, whose results
+        may already be gone."""
+        assert self.root_mask is not None
         return [
             _apply(views, results[index], env) if wanted else None
-            for (index, views), wanted in zip(self._output_views, self.mask)
+            for (index, views), wanted in zip(self._root_views, self.root_mask)
         ]
 
     def backward(
@@ -178,11 +199,11 @@ class GraphPair:
             found = self._positions[(which, counts)] = _positions(feeds, counts)
         return found
 
-    def unreached(self, mask: Sequence[bool]) -> set[int]:
-        """Primals whose gradient no output of `mask` reaches (eager leaves them None)."""
+    def unreached(self, root_mask: Sequence[bool]) -> set[int]:
+        """Primals whose gradient no root of `root_mask` reaches (eager leaves them None)."""
         return {
             primal for primal, reach in zip(self.graphs.grads_for, self.graphs.grad_reach)
-            if not any(mask[i] for i in reach)
+            if not any(root_mask[i] for i in reach)
         }
 
 

@@ -28,7 +28,17 @@ from typing import Any
 import torch
 
 from lazygrad import attach, builder, clock, disk_cache, turns
-from lazygrad.capture import Captured, CaptureError, Graphs, capture, export, functional, unchanged
+from lazygrad.capture import (
+    Aliasing,
+    Captured,
+    CaptureError,
+    Graphs,
+    aliasing,
+    capture,
+    export,
+    functional,
+    unchanged,
+)
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.forecast import MaskForecast
@@ -79,6 +89,7 @@ class SignatureEntry:
     call: FlatCall  # the call's structure and constants (no tensors)
     template: OutputTemplate
     differentiable: Mask  # per flat tensor output: eager's requires_grad
+    aliasing: Aliasing  # how eager's outputs share memory (`capture/aliases.py`)
     state_names: list[str]
     device: torch.device  # of every tensor of the call and the module (part of the signature)
     plan: Mask | None = None  # the last mask served; the forward's plan where none is forecast
@@ -251,14 +262,14 @@ class Runtime:
         try:
             if signature.grad:
                 step = self._step(signature, entry, pair, env, device, number)
-                outputs = LazyFunction.apply(step, *primals)
+                roots = LazyFunction.apply(step, *primals)
             else:
                 with self._lock:
                     found.stats.hits += 1
-                outputs = self._infer(pair, primals, env, device)
+                roots = self._infer(pair, primals, env, device)
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
-        return entry.template.rebuild(list(outputs))
+        return entry.template.rebuild(pair.module_outputs(roots, primals, env))
 
     def _plan(self, signature: Signature, entry: SignatureEntry) -> tuple[int, Mask | None]:
         """A call's number in the signature's forecast and the mask its forward stashes for
@@ -296,14 +307,14 @@ class Runtime:
             with self._lock:
                 entry.forecast.record(number, mask)
 
-        return Step(pair, entry.differentiable, self.options.policy, env, device, pair_for,
-                    self._count_recompute, on_mask, eager_backward)
+        return Step(pair, entry.aliasing.root_mask(entry.differentiable), self.options.policy,
+                    env, device, pair_for, self._count_recompute, on_mask, eager_backward)
 
     def _infer(self, pair: GraphPair, primals: list[torch.Tensor], env: dict[str, int],
                device: torch.device) -> list[torch.Tensor]:
         results = pair.forward(primals, pair.draw(env, device), device)
         pair.write_back(primals, results)
-        return pair.outputs(results, env)
+        return pair.roots(results, env)
 
     def _first_call(
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict,
@@ -335,6 +346,7 @@ class Runtime:
         state_names = list(state)
         primals = [*state.values(), *call.tensors]
         device = _common_device(state_names, primals)
+        shared, roots = aliasing(tensors, primals)
         with self._lock:
             self.stats.eager_steps += 1
             entry = self._entries.get(signature)
@@ -344,6 +356,7 @@ class Runtime:
                     call=call.without_tensors(),
                     template=template,
                     differentiable=tuple(t.requires_grad for t in tensors),
+                    aliasing=shared,
                     state_names=state_names,
                     device=device,
                     index_key=key,
@@ -355,13 +368,15 @@ class Runtime:
                 return self._fall_back(signature, call, args, kwargs, str(failure), result,
                                        failure.where)
             return result
-        probed = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if entry.aliasing != shared:  # another thread's first call returned other aliasing
+            return result
+        probed = [k for k, root in enumerate(roots) if root.requires_grad]
         if not probed:
             return result
-        probe = _FirstBackward(self, signature, entry, primals, len(tensors), probed, device)
-        for index, tensor in zip(probed, behind_probe(probe, [tensors[i] for i in probed])):
-            tensors[index] = tensor
-        return template.rebuild(tensors)
+        probe = _FirstBackward(self, signature, entry, primals, len(roots), probed, device)
+        for k, root in zip(probed, behind_probe(probe, [roots[k] for k in probed])):
+            roots[k] = root
+        return template.rebuild(shared.remake(tensors, roots))
 
     def first_backward(self, signature: Signature, entry: SignatureEntry, mask: Mask,
                        primals: list[torch.Tensor], cotangents: tuple,
@@ -369,7 +384,9 @@ class Runtime:
         """A first step's gradients arrived: build the graphs its mask (or the plan) needs."""
         if not any(mask):
             return
-        wanted = entry.differentiable if self.options.policy == "all" else mask
+        wanted = mask
+        if self.options.policy == "all":
+            wanted = entry.aliasing.normalized(entry.differentiable)
         try:
             pair = self._pair_for(signature, entry, wanted, primals,
                                   cotangents if wanted == mask else None, device)
@@ -568,6 +585,11 @@ class Runtime:
                 recompute=self.options.policy == "recompute",
                 static_shapes=signature.shapes is not None,
             )
+        if captured.aliasing != entry.aliasing:
+            raise CaptureError(
+                "the trace and eager PyTorch disagree on which outputs share memory (trace "
+                f"{captured.aliasing.sources}, eager {entry.aliasing.sources})"
+            )
         if mask is not None and any(
             bit and traced != eager
             for bit, traced, eager in zip(mask, captured.differentiable, entry.differentiable)
@@ -609,6 +631,8 @@ class Runtime:
             call=call.without_tensors(),
             template=template,
             differentiable=tuple(record["differentiable"]),
+            aliasing=Aliasing(tuple(map(tuple, record["aliasing"]["sources"])),
+                              tuple(record["aliasing"]["views"])),
             state_names=state_names,
             device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
@@ -652,6 +676,7 @@ class Runtime:
             self._disk.write_record(entry.index_key, {
                 "template": template,
                 "differentiable": list(entry.differentiable),
+                "aliasing": dataclasses.asdict(entry.aliasing),
                 "state_names": entry.state_names,
                 "plan": mask,
             })
@@ -677,8 +702,8 @@ class Runtime:
                 torch.enable_grad(), builder.autocast(signature.autocast), unchanged(self.module):
             if generator is not None:
                 set_generator_state(device, generator)
-            outputs = forward(*inputs)
-            given = [(o, c) for o, c in zip(outputs, cotangents) if c is not None]
+            roots = forward(*inputs)  # the roots first (`functional`): a cotangent each
+            given = [(r, c) for r, c in zip(roots, cotangents) if c is not None]
             grads = torch.autograd.grad(
                 [o for o, _ in given], [inputs[i] for i in wanted], [c for _, c in given],
                 allow_unused=True,
@@ -848,7 +873,7 @@ class _FirstBackward:
         cotangents: list[torch.Tensor | None] = [None] * self.count
         for index, grad in zip(self.probed, grads):
             cotangents[index] = grad
-        mask = tuple(c is not None for c in cotangents)
+        mask = self.entry.aliasing.output_mask([c is not None for c in cotangents])
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
                                     tuple(cotangents), self.device)
 

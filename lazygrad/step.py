@@ -49,7 +49,7 @@ class Step:
         self._eager_backward = eager_backward
         self._generator_state: torch.Tensor | None = None  # before this step's draws
         self._layout: tuple[int, int, list[int]] = (0, 0, [])  # primals, draws, results kept
-        self._output_types: list[tuple[torch.Size, torch.dtype]] = []
+        self._root_types: list[tuple[torch.Size, torch.dtype]] = []
 
     def forward(
         self, primals: tuple[torch.Tensor, ...]
@@ -60,7 +60,7 @@ class Step:
             self._generator_state = generator_state(self.device)
             draws = pair.draw(self.env, self.device)
         results = pair.forward(primals, draws, self.device)
-        outputs = pair.outputs(results, self.env)
+        roots = pair.roots(results, self.env)
         kept_primals = list(primals) if pair.graphs.mutations else primals
         for _, primal in pair.graphs.mutations:
             # A rerun of the forward must read what this one read, not the updated value.
@@ -68,25 +68,27 @@ class Step:
         pair.write_back(primals, results)
         read = pair.outputs_read_by_backward
         self._layout = (len(primals), len(draws), read)
-        if self.policy == "all":  # zeros of these are fed for outputs without a gradient
-            self._output_types = [(o.shape, o.dtype) for o in outputs]
-        return outputs, [*kept_primals, *draws, *map(results.__getitem__, read)]
+        if self.policy == "all":  # zeros of these are fed for roots without a gradient
+            self._root_types = [(r.shape, r.dtype) for r in roots]
+        return roots, [*kept_primals, *draws, *map(results.__getitem__, read)]
 
     def backward(
         self, saved: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
-        """`saved` (what `forward` kept) is handed over and emptied: the pair's backward frees
-        each stashed tensor once no later segment reads it."""
+        """`grads`: one per root (`aliases.py`). `saved` (what `forward` kept) is handed over
+        and emptied: the pair's backward frees each stashed tensor once no later segment reads
+        it."""
         count, draw_count, _ = self._layout
         primals = saved[:count]
         draws = saved[count : count + draw_count]
         kept = saved[count + draw_count :]
         saved.clear()
-        mask = tuple(g is not None for g in grads)
-        if not any(mask):
+        root_mask = tuple(g is not None for g in grads)
+        if not any(root_mask):
             return [None] * count
         if self.policy == "all":
-            return self._backward_all(primals, draws, kept, grads, mask)
+            return self._backward_all(primals, draws, kept, grads, root_mask)
+        mask = self.pair.output_mask(root_mask)
         self._on_mask(mask)
         pair = self._pair_for(mask, primals, grads)
         if pair is None:
@@ -107,9 +109,9 @@ class Step:
         draws: list[torch.Tensor],
         kept: list[torch.Tensor],
         grads: tuple[torch.Tensor | None, ...],
-        mask: tuple[bool, ...],
+        root_mask: tuple[bool, ...],
     ) -> list[torch.Tensor | None]:
-        """ORTModule's way: the one all-outputs graph, zeros for outputs without a gradient."""
+        """ORTModule's way: the one all-outputs graph, zeros for roots without a gradient."""
         pair = self._pair_for(self.pair.mask, primals, grads)
         if pair is None:
             return self._eager_backward(primals, grads, self._generator_state)
@@ -118,10 +120,10 @@ class Step:
         cotangents = [
             grad if grad is not None or not wanted
             else torch.zeros(shape, dtype=dtype, device=self.device)
-            for grad, wanted, (shape, dtype) in zip(grads, pair.mask, self._output_types)
+            for grad, wanted, (shape, dtype) in zip(grads, pair.root_mask, self._root_types)
         ]
         gradients = pair.backward(primals, draws, results, cotangents, self.device)
-        for primal in pair.unreached(mask):
+        for primal in pair.unreached(root_mask):
             gradients[primal] = None
         return gradients
 

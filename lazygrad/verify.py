@@ -58,13 +58,14 @@ def verify(
     read = set(pair.outputs_read_by_backward)
     kept: set[int] = set()
     if checking:
-        kept = read | {slot.index for slot, wanted in zip(pair.graphs.outputs, pair.mask) if wanted}
+        kept = read | {slot.index for slot, wanted in zip(pair.graphs.roots, pair.root_mask)
+                       if wanted}
     with torch.no_grad():
         _ForwardCheck(tidy.forward, results, kept).run(*_feeds(tidy.forward_feeds, values))
     heap.release_freed_memory()
     if not checking:
         return
-    outputs = pair.outputs_in_mask(results, env)
+    outputs = pair.roots_in_mask(results, env)
     if cotangents is None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             cotangents = [
@@ -114,7 +115,9 @@ def verify_like_eager(
     if pair.graphs.draws:
         return
     primals = [p.detach() for p in primals]
-    outputs = pair.outputs(pair.forward(primals, [], device), pair.sizes(primals))
+    env = pair.sizes(primals)
+    outputs = pair.module_outputs(pair.roots(pair.forward(primals, [], device), env), primals,
+                                  env)
     if len(outputs) != len(eager_outputs):
         raise VerificationError(
             f"the graph returns {len(outputs)} tensors, eager PyTorch {len(eager_outputs)}")

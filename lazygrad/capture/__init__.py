@@ -34,9 +34,10 @@ from lazygrad.capture import (
     to_onnx,
     trace,
 )
+from lazygrad.capture.aliases import Aliasing, aliasing
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
-from lazygrad.capture.tidy import Feed, OutputSlot, Tidy, apply_views
+from lazygrad.capture.tidy import Feed, OutputSlot, OutputView, Tidy, apply_views
 from lazygrad.capture.trace import functional, unchanged
 
 __all__ = [
@@ -46,6 +47,9 @@ __all__ = [
     "Feed",
     "Graphs",
     "OutputSlot",
+    "OutputView",
+    "Aliasing",
+    "aliasing",
     "apply_views",
     "capture",
     "export",
@@ -68,9 +72,10 @@ class Graphs:
     forward_feeds: list[Feed]  # per ONNX forward input, in input order
     backward_feeds: list[Feed]  # per ONNX backward input, in input order
     mutations: list[tuple[int, int]]  # (forward result, primal) written back after the forward
-    outputs: list[OutputSlot]  # per module output (flat tensor leaves)
+    roots: list[OutputSlot]  # what the autograd node returns (`aliases.py`)
+    outputs: list[OutputView]  # per module output (flat tensor leaves), made from the roots
     grads_for: list[int]  # primal index of each backward output
-    grad_reach: list[list[int]]  # per backward output: outputs whose cotangents reach it
+    grad_reach: list[list[int]]  # per backward output: roots whose cotangents reach it
     draws: list[Draw]
     locations: dict[str, tuple[int, int]]  # size symbol -> (primal, dim)
     guards: list[str]  # size conditions (Python code) under which the graphs are valid
@@ -86,7 +91,8 @@ class Captured:
     draws: list[Draw]
     locations: dict[str, tuple[int, int]]
     guards: list[str]
-    differentiable: list[bool]
+    differentiable: list[bool]  # per module output: requires grad in the trace
+    aliasing: Aliasing
     seconds: dict[str, float]
     untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
 
@@ -105,7 +111,8 @@ class Captured:
                     value = getattr(gm, node.target)
                     if isinstance(value, torch.Tensor):
                         digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-        digest.update(repr((self.draws, self.guards, self.tidy.outputs, parts)).encode())
+        digest.update(repr((self.draws, self.guards, self.tidy.roots, self.tidy.outputs,
+                            parts)).encode())
         return digest.hexdigest()
 
 
@@ -132,15 +139,18 @@ def capture(
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
     with trace.unchanged(module):
-        traced = trace.trace(fn, primals, dynamic, training, module)
+        traced = trace.trace(fn.fn, primals, dynamic, training, module)
+    outputs_share = fn.aliasing
+    assert outputs_share is not None  # the trace ran it
     try:
         parts = partition.partition(traced, recompute)
         head.recompute_log_softmax(parts, len(traced.mutated) + len(traced.outputs))
         for gm in (parts.forward, parts.backward):
             if gm is not None:
                 head.rewrite(gm)
-        masked = [i for i, bit in enumerate(mask or ()) if bit]
-        tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs), masked)
+        masked = [i for i, bit in enumerate(outputs_share.root_mask(mask or ())) if bit]
+        tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs),
+                           outputs_share, masked)
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 peephole.rewrite(gm)
@@ -155,7 +165,8 @@ def capture(
         draws=parts.draws,
         locations=traced.locations,
         guards=traced.guards,
-        differentiable=[bool(o.requires_grad) for o in traced.outputs],
+        differentiable=fn.differentiable,
+        aliasing=outputs_share,
         seconds={"trace": time.perf_counter() - started},
         untranslatable=traced.untranslatable,
     )
@@ -202,6 +213,7 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         forward_feeds=_feeds_by_name(forward, tidied.forward, tidied.forward_feeds),
         backward_feeds=backward_feeds,
         mutations=tidied.mutations,
+        roots=tidied.roots,
         outputs=tidied.outputs,
         grads_for=tidied.grads_for,
         grad_reach=tidied.grad_reach,

@@ -135,7 +135,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = ["compiling", "plain_lstm", "in_backward", "queue_at_backward_end",
-           "release_saved_tensors", "set_versions", *_LAZY]
+           "release_saved_tensors", "set_versions", "replay_view", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -170,6 +170,12 @@ def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> No
     made, so the eager graph's saved tensors stay valid and only the user's own in-place
     change is seen, as in eager."""
     torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def replay_view(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The view ops that made `view` from its base, applied to `base` (AOTAutograd regenerates
+    its aliased outputs so)."""
+    return view._view_func(base)
 
 
 def _dropped(_: object) -> None:

@@ -3,8 +3,9 @@
 - A saved tensor that is a view (view, transpose, permute, select, detach ...) of another forward
   tensor is not returned by the forward: its base is, and the backward redoes the view. In eager
   a view shares its base's storage; as two ONNX graph outputs they would be two copies.
-- A module output that is a view of a forward tensor comes back as its base; the view is applied
-  in torch (`OutputSlot.views`), free as in eager.
+- The autograd node returns the roots of the module's outputs (`aliases.py`); each output is
+  made from its root (or from a primal) by views applied in torch (`OutputView`), free and
+  changeable in place as in eager; the backward takes one cotangent per root that gets one.
 - Saved primals (parameters, inputs) and draws are fed to the backward directly, not returned.
 - Saved sizes (SymInts) are recomputed in the backward from its tensor inputs' shapes.
 - Gradients that are None are dropped; `grads_for` says which primals the others belong to.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from lazygrad.capture import symbols
+from lazygrad.capture.aliases import Aliasing
+from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.partition import Partitioned, output_node, placeholders
 from lazygrad.capture.views import VIEW_OPS
 
@@ -36,10 +40,22 @@ class Feed:
 
 @dataclasses.dataclass
 class OutputSlot:
-    """A module output: forward result `index`, then `views` applied in torch."""
+    """A root (`aliases.py`), what the autograd node returns: forward result `index`, then
+    `views` applied in torch (reshapes of a result that is not a view in eager)."""
 
     index: int
     views: list[tuple[str, list[Any]]]  # (aten overload name, args after the base; sizes as code)
+
+
+@dataclasses.dataclass
+class OutputView:
+    """A module output, made in torch outside the autograd node: `views` applied to root
+    `index` (`source` "root") or to primal `index` (`source` "primal"); no views: it is that
+    tensor itself."""
+
+    source: str
+    index: int
+    views: list[tuple[str, list[Any]]]
 
 
 @dataclasses.dataclass
@@ -49,14 +65,16 @@ class Tidy:
     forward_feeds: list[Feed]  # per forward placeholder
     backward_feeds: list[Feed]  # per backward placeholder
     mutations: list[tuple[int, int]]  # (forward result index, primal index) to write back
-    outputs: list[OutputSlot]
+    roots: list[OutputSlot]
+    outputs: list[OutputView]  # per module output
     grads_for: list[int]  # primal index of each backward output
-    grad_reach: list[list[int]]  # per backward output: the outputs whose cotangents reach it
+    grad_reach: list[list[int]]  # per backward output: the roots whose cotangents reach it
 
 
 def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: int,
-         masked: list[int]) -> Tidy:
-    """`masked`: the output indices that have a cotangent (the grad mask), in order."""
+         aliasing: Aliasing, masked: list[int]) -> Tidy:
+    """`num_outputs`: how many tensors the traced function returned (its roots, then its other
+    outputs, `trace.functional`); `masked`: the roots that have a cotangent, in order."""
     fw, bw = parts.forward, parts.backward
     for gm in (fw, bw):
         if gm is not None:
@@ -86,12 +104,12 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         return forward_results.index(node)
 
     mutations = [(slot(node), primal) for node, primal in zip(mutation_results, mutated)]
-    outputs = []
-    for node in user:
+    root_nodes = user[: aliasing.root_count]
+    roots = []
+    for node in root_nodes:
         base, chain = strip_views(node)
-        if not chain or base.op == "placeholder":
-            base, chain = node, []
-        outputs.append(OutputSlot(slot(base), [_view_step(view) for view in reversed(chain)]))
+        roots.append(OutputSlot(slot(base), [_view_step(view) for view in reversed(chain)]))
+    outputs = _output_views(aliasing, root_nodes, iter(user[aliasing.root_count :]), fw_inputs)
     for node in sources.values():
         if node.op != "placeholder":
             slot(node)  # a forward intermediate the backward reads (a base, never a view)
@@ -102,6 +120,12 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
 
     if bw is not None:
         tangents = [p for p in placeholders(bw) if p.name.startswith("tangents")]
+        if len(tangents) != len(masked):
+            raise CaptureError(
+                f"the backward takes {len(tangents)} cotangents where {len(masked)} outputs "
+                "get one (an input that requires grad changed in place, or outputs that share "
+                "memory in a way lazygrad cannot map)"
+            )
         cotangent_of = {p.name: masked[i] for i, p in enumerate(tangents)}
         for node in placeholders(bw):
             if node.name in cotangent_of:
@@ -124,6 +148,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         forward_feeds=[feed_of_fw_input[p.name] for p in placeholders(fw)],
         backward_feeds=backward_feeds,
         mutations=mutations,
+        roots=roots,
         outputs=outputs,
         grads_for=grads_for,
         grad_reach=grad_reach,
@@ -273,6 +298,94 @@ def strip_views(node: Any) -> tuple[Any, list[fx.Node]]:
         chain.append(node)
         node = node.args[0]
     return node, chain
+
+
+_IDENTITY = {aten.detach.default, aten.alias.default}
+
+
+def _output_views(aliasing: Aliasing, root_nodes: list[fx.Node], others: Iterator[fx.Node],
+                  fw_inputs: list[fx.Node]) -> list[OutputView]:
+    """How to make each module output from its root (or primal): the traced views between."""
+    outputs = []
+    for (source, index), view in zip(aliasing.sources, aliasing.views):
+        if source == "root" and not view:
+            outputs.append(OutputView(source, index, []))
+            continue
+        node = next(others)
+        start = root_nodes[index] if source == "root" else fw_inputs[index]
+        outputs.append(OutputView(source, index, _views_from(start, node)))
+    return outputs
+
+
+def _views_from(start: fx.Node, node: fx.Node) -> list[tuple[str, list[Any]]]:
+    """The view steps that make `node` from `start`'s value. `start` may itself be made by
+    reshapes or aliases of the node the views were traced from (a root detached, or
+    `_unsafe_view` after a matmul): that value is reached from `start` by a reshape first."""
+    reached = {start: []}
+    current, steps = start, []
+    while isinstance(current, fx.Node) and current.op == "call_function" and (
+            current.target in _IDENTITY or current.target in _RESHAPES):
+        if current.target in _RESHAPES:
+            steps = [*steps, _reshape_to(current.args[0])]
+        current = current.args[0]
+        reached[current] = steps
+    chain = []
+    while node not in reached:
+        if isinstance(node, fx.Node) and node.target in _IDENTITY:
+            node = node.args[0]
+            continue
+        found = _as_view_step(node)
+        if found is None:
+            raise CaptureError(
+                f"a module output is made by {getattr(node, 'target', node)} from what the "
+                "forward computes, which lazygrad cannot apply as a view in torch"
+            )
+        step, node = found
+        chain.append(step)
+    return [*reached[node], *reversed(chain)]
+
+
+_RESHAPES = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
+
+
+def _reshape_to(node: fx.Node) -> tuple[str, list[Any]]:
+    size = [d if isinstance(d, int) else {"size": symbols.to_code(d)}
+            for d in node.meta["val"].shape]
+    return aten.reshape.default.name(), [size]
+
+
+def _as_view_step(node: Any) -> tuple[tuple[str, list[Any]], Any] | None:
+    """`node` as one view step and the node it views; None where it is not a view."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return _piece_of(node)
+    # Applied in torch, not in ONNX: any view op of one tensor whose other arguments are
+    # plain values or sizes.
+    if not getattr(node.target, "is_view", False):
+        return None
+    sizes = [a for a in pytree.tree_leaves((node.args[1:], node.kwargs)) if isinstance(a, fx.Node)]
+    if node.kwargs or not all(symbols.is_symbolic(a.meta.get("val")) for a in sizes):
+        return None
+    return _view_step(node), node.args[0]
+
+
+def _piece_of(node: fx.Node) -> tuple[tuple[str, list[Any]], Any] | None:
+    """`split(x, ...)[i]` or `unbind(x, dim)[i]` as a slice or a select of x."""
+    parent, index = node.args
+    if not isinstance(parent, fx.Node) or not isinstance(index, int):
+        return None
+    if parent.target is aten.unbind.int:
+        dim = parent.args[1] if len(parent.args) > 1 else 0
+        return (aten.select.int.name(), [dim, index]), parent.args[0]
+    if parent.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        sizes, dim = parent.args[1], parent.args[2] if len(parent.args) > 2 else 0
+        if not all(isinstance(s, int) for s in pytree.tree_leaves(sizes)):
+            return None
+        start = index * sizes if isinstance(sizes, int) else sum(sizes[:index])
+        end = start + (sizes if isinstance(sizes, int) else sizes[index])
+        return (aten.slice.Tensor.name(), [dim, start, end]), parent.args[0]
+    return None
 
 
 def _view_step(node: fx.Node) -> tuple[str, list[Any]]:

@@ -24,7 +24,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad.capture import draws, lowerings, private, symbols
+from lazygrad.capture import aliases, draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -388,15 +388,19 @@ def functional(
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
     tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
-) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """fn(*state, *call tensors) -> the forward's flat tensor outputs, unmasked ones detached.
+) -> Functional:
+    """fn(*state, *call tensors) -> the roots of the forward's flat tensor outputs, then every
+    output that is not a root itself, detached (`aliases.py`): the roots carry the gradients,
+    and the traced graph holds each view, from which `tidy` reads how to make it in torch.
 
-    `forward(module, *args, **kwargs)` is the module's original forward. `mask` None: nothing
-    is detached (an inference trace).
+    `forward(module, *args, **kwargs)` is the module's original forward. A root that no output
+    in `mask` is made from is detached; `mask` None: no root is (an inference trace, or eager's
+    backward).
     """
     count = len(state_names)
     original = _Original(module, forward)
     names = [f"inner.{name}" for name in state_names]
+    made = Functional()
 
     def fn(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         state = dict(zip(names, primals[:count]))
@@ -404,8 +408,27 @@ def functional(
         with eager_mode():
             result = functional_call(original, state, args, kwargs, tie_weights=True)
         outputs = tensors_of(result)
-        if mask is None:
-            return tuple(outputs)
-        return tuple(o if keep else o.detach() for o, keep in zip(outputs, mask))
+        made.aliasing, roots = aliases.aliasing(outputs, primals)
+        made.differentiable = [bool(o.requires_grad) for o in outputs]
+        if mask is not None:
+            wanted = made.aliasing.root_mask(mask)
+            roots = [root if keep else root.detach() for root, keep in zip(roots, wanted)]
+        others = [o.detach() for o, (kind, _), view in zip(outputs, made.aliasing.sources,
+                                                           made.aliasing.views)
+                  if kind == "primal" or view]
+        return (*roots, *others)
 
-    return fn
+    made.fn = fn
+    return made
+
+
+@dataclasses.dataclass
+class Functional:
+    """The function `functional` traces, and what its last run saw of the outputs."""
+
+    fn: Callable[..., tuple[torch.Tensor, ...]] = None  # type: ignore[assignment]
+    aliasing: aliases.Aliasing | None = None
+    differentiable: list[bool] = dataclasses.field(default_factory=list)  # per output
+
+    def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fn(*primals)
