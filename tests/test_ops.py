@@ -2,7 +2,8 @@
 
 Their backward ops either translate to ONNX, or are lowered at trace time into ops that do
 (`capture/lowerings.py`: convolution_backward, plain and transposed; average pooling with
-ceil_mode and divisor_override; adaptive pooling; diagonal_scatter). Each op's options that take
+ceil_mode and divisor_override; adaptive pooling; diagonal_scatter) or traced as another
+path of the op (weight_norm). Each op's options that take
 another path are results of the same model (one build per op). Embedding with padding_idx:
 tests/test_capture.py.
 """
@@ -100,14 +101,48 @@ class TransposedConv(torch.nn.Module):
         return self.grouped_up(torch.relu(self.up(x)))
 
 
+class WeightNormed(torch.nn.Module):
+    """weight_norm as a parametrization: dim 0 takes torch's fused kernel, whose backward has
+    no ONNX translation (traced unfused, `private.plain_weight_norm`); dim 1 does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        normed = torch.nn.utils.parametrizations.weight_norm
+        self.conv = normed(torch.nn.Conv2d(3, 4, 3, padding=1))
+        self.mix = normed(torch.nn.Conv2d(4, 4, 1), dim=1)
+
+    def forward(self, x):
+        return self.mix(torch.tanh(self.conv(x)))
+
+
+class Pooled3d(torch.nn.Module):
+    """3-D pooling (video CNNs): max and average pooling's backward ops have no translation,
+    lowered (`lowerings.py`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x.view(*x.shape[:2], 4, 4, 4))
+        return _cat(F.max_pool3d(h, 2), F.max_pool3d(h, 3, stride=2, padding=1, ceil_mode=True),
+                    F.avg_pool3d(h, 3, stride=2, padding=1, count_include_pad=False),
+                    F.avg_pool3d(h, (2, 3, 3), stride=2, padding=1, ceil_mode=True),
+                    F.adaptive_avg_pool3d(h, 1))
+
+
+MODELS = {"transposed_convolution": TransposedConv, "weight_norm": WeightNormed,
+          "pooling_3d": Pooled3d}
+
+
 def _model(name: str) -> torch.nn.Module:
-    if name == "transposed_convolution":
-        return TransposedConv()
+    if name in MODELS:
+        return MODELS[name]()
     op = OPS[name]  # a function, or a module (with parameters) built afresh for each test
     return ConvThen(copy.deepcopy(op) if isinstance(op, torch.nn.Module) else op)
 
 
-@pytest.mark.parametrize("name", [*OPS, "transposed_convolution"])
+@pytest.mark.parametrize("name", [*OPS, *MODELS])
 def test_op_runs_through_ort_with_eagers_outputs_and_gradients(name):
     torch.manual_seed(0)
     eager = _model(name)

@@ -4,18 +4,21 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's op. Such an op
 is lowered here, at trace time, into ops that export: convolution_backward (plain and
-transposed) into convolutions; avg_pool2d_backward (every ceil_mode, padding and divisor) into a
-transposed convolution; avg_pool2d with divisor_override (torchlib ignores the override) into a
-window sum; adaptive average pooling's backward into two matrix products; adaptive max pooling
-(torch decomposes only even windows) into masked maxima, its backward into a scatter-add;
-diagonal_scatter (torch's decomposition mutates) into a select; an accumulating index_put,
-whose translation ONNX Runtime runs wrong, into scatter_add (`accumulate_rows`); and an
-unstable sort into the stable one (`stable_sort`). Like
-torch._decomp's tables these compute the op itself, not a gradient of anything, and every graph
-built with them is checked against its FX graph (verify.py) before it serves a step.
+transposed) into convolutions; avg_pool2d_backward and avg_pool3d_backward (every ceil_mode,
+padding and divisor) into a transposed convolution; avg_pool2d with divisor_override (torchlib
+ignores the override) into a window sum; adaptive average pooling's backward into two matrix
+products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
+backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
+mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
+into scatter_add (`accumulate_rows`); and an unstable sort into the stable one
+(`stable_sort`). Like torch._decomp's tables these compute the op itself, not a gradient of
+anything, and every graph built with them is checked against its FX graph (verify.py) before it
+serves a step.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -112,31 +115,55 @@ def avg_pool2d_backward(
     count_include_pad: bool,
     divisor_override: int | None,
 ) -> torch.Tensor:
+    return _avg_pool_backward(grad_output, input, kernel_size, stride, padding,
+                              count_include_pad, divisor_override, 2)
+
+
+def avg_pool3d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: list[int],
+    stride: list[int],
+    padding: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    return _avg_pool_backward(grad_output, input, kernel_size, stride, padding,
+                              count_include_pad, divisor_override, 3)
+
+
+def _avg_pool_backward(grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int],
+                       stride: list[int], padding: list[int], count_include_pad: bool,
+                       divisor_override: int | None, dims: int) -> torch.Tensor:
     """Each window's gradient divided by the window's divisor, spread back over the window:
     the transposed convolution of a depthwise all-ones kernel. The divisor is the override, or
-    the product over both axes of how many positions the window covers, as torch's kernel
+    the product over the axes of how many positions the window covers, as torch's kernel
     counts them: within the padded input (count_include_pad), or within the input alone. With
     ceil_mode the last window may reach past the padded input: it counts only what it covers,
     and the transposed convolution's overhang is cropped away."""
-    if input.dim() == 3:  # unbatched (channels, height, width)
-        return aten.squeeze.dim(avg_pool2d_backward(
+    if input.dim() == dims + 1:  # unbatched (channels, *spatial)
+        return aten.squeeze.dim(_avg_pool_backward(
             aten.unsqueeze.default(grad_output, 0), aten.unsqueeze.default(input, 0), kernel_size,
-            stride, padding, ceil_mode, count_include_pad, divisor_override), 0)
-    kernel = list(kernel_size) * (2 // len(kernel_size))
-    stride = list(stride or kernel) * (2 // len(stride or kernel))
-    padding = list(padding) * (2 // len(padding))
+            stride, padding, count_include_pad, divisor_override, dims), 0)
+    kernel = list(kernel_size) * (dims // len(kernel_size))
+    stride = list(stride or kernel) * (dims // len(stride or kernel))
+    padding = list(padding) * (dims // len(padding))
     if divisor_override:
         spread = aten.div.Scalar(grad_output, divisor_override)
     else:
-        rows, columns = (
-            _window_counts(grad_output.shape[-2 + axis], input.shape[-2 + axis], kernel[axis],
+        counts = [
+            _window_counts(grad_output.shape[axis - dims], input.shape[axis - dims], kernel[axis],
                            stride[axis], padding[axis], count_include_pad, grad_output)
-            for axis in range(2)
-        )
-        spread = aten.div.Tensor(grad_output, rows[:, None] * columns[None, :])
+            for axis in range(dims)
+        ]
+        divisor = counts[0]
+        for count in counts[1:]:  # their outer product, one axis per window axis
+            divisor = divisor[..., None] * count
+        spread = aten.div.Tensor(grad_output, divisor)
     channels = input.shape[1]
     window = aten.new_ones.default(input, [channels, 1, *kernel])
-    return _input_gradient(spread, input, window, stride, padding, [1, 1], channels)
+    return _input_gradient(spread, input, window, stride, padding, [1] * dims, channels)
 
 
 def avg_pool2d(
@@ -228,10 +255,25 @@ def adaptive_max_pool2d(
 def adaptive_max_pool2d_backward(
     grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
-    """Each output's gradient added at the input position its index names."""
-    plane = input.shape[-2] * input.shape[-1]
-    flat = aten.new_zeros.default(grad_output, [*input.shape[:-2], plane])
-    added = torch.scatter_add(flat, -1, indices.flatten(-2), grad_output.flatten(-2))
+    return _add_at_indices(grad_output, input, indices, 2)
+
+
+def max_pool3d_with_indices_backward(
+    grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int], stride: list[int],
+    padding: list[int], dilation: list[int], ceil_mode: bool, indices: torch.Tensor,
+) -> torch.Tensor:
+    """The windows decided the indices: torch's decomposition of the 2-D op, in 3-D."""
+    return _add_at_indices(grad_output, input, indices, 3)
+
+
+def _add_at_indices(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor,
+                    spatial: int) -> torch.Tensor:
+    """Each output's gradient added at the input position its index names (a position in its
+    channel's plane or volume, row-major)."""
+    positions = math.prod(input.shape[-spatial:])
+    flat = aten.new_zeros.default(grad_output, [*input.shape[:-spatial], positions])
+    added = torch.scatter_add(flat, -1, indices.flatten(-spatial),
+                              grad_output.flatten(-spatial))
     return added.reshape(input.shape)
 
 
@@ -307,9 +349,11 @@ TABLE = {
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d.default: avg_pool2d,
     aten.avg_pool2d_backward.default: avg_pool2d_backward,
+    aten.avg_pool3d_backward.default: avg_pool3d_backward,
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
     aten.diagonal_scatter.default: diagonal_scatter,
     aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+    aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.sort.default: stable_sort,
 }
