@@ -193,5 +193,6 @@ def _decode(data: bytes) -> Graphs | None:
         locations={k: tuple(v) for k, v in header["locations"].items()},
         guards=header["guards"],
         differentiable=header["differentiable"],
+        sized=[tuple(number) for number in header["sized"]],
         seconds=header["seconds"],
     )

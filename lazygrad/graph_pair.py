@@ -64,6 +64,13 @@ class GraphPair:
             self._valid_sizes[key] = found
         return found
 
+    def sizes_of(self, env: dict[str, int]) -> dict[int, Any] | None:
+        """The numbers of the module's result that are sizes, by position among its numbers
+        (`outputs.sized_numbers`), for a call with these sizes."""
+        if not self.graphs.sized:
+            return None
+        return {position: symbols.evaluate(code, env) for position, code in self.graphs.sized}
+
     def draw(self, env: dict[str, int], device: torch.device) -> list[torch.Tensor]:
         return [draw.sample(env, device) for draw in self.graphs.draws]
 

@@ -24,6 +24,8 @@ PLAIN = (
     type(None), bool, int, float, complex, str, bytes, type, torch.dtype, torch.device,
     torch.Size,
 )
+_NUMBERS = (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 _JSON = (type(None), bool, int, float, str)  # kept exactly by a JSON round trip
 
@@ -31,6 +33,16 @@ _JSON = (type(None), bool, int, float, str)  # kept exactly by a JSON round trip
 def tensors_of(result: Any) -> list[torch.Tensor]:
     """Every tensor of `result`, in the order the graphs return them."""
     return [t for leaf in flatten(result)[0] for t in _held(leaf, set())]
+
+
+def sized_numbers(result: Any) -> list[tuple[int, Any]]:
+    """The numbers of a traced `result` that are sizes (`x.shape[0]`, a cache's length), as
+    (position among its numbers, symbolic value): each call gets them from its own sizes
+    (`OutputTemplate.rebuild`), never the first call's."""
+    numbers = _Numbers({})
+    for leaf in flatten(result)[0]:
+        _rebuilt(leaf, iter(lambda: None, 0), numbers)
+    return numbers.symbolic
 
 
 class _Slot:
@@ -61,7 +73,8 @@ class OutputTemplate:
         hide tensors that cannot be found (a module, an object with __slots__, a cycle)."""
         leaves, structure = flatten(result)
         held = [_held(leaf, set()) for leaf in leaves]
-        slots = [_rebuilt(leaf, iter([_SLOT] * len(h))) for leaf, h in zip(leaves, held)]
+        slots = [_rebuilt(leaf, iter([_SLOT] * len(h)), _Numbers({}))
+                 for leaf, h in zip(leaves, held)]
         return cls(structure, slots), [t for h in held for t in h]
 
     def to_json(self) -> dict | None:
@@ -88,18 +101,20 @@ class OutputTemplate:
         leaves = [_SLOT if leaf[0] == "tensor" else leaf[1] for leaf in data["leaves"]]
         return cls(pytree.treespec_loads(data["structure"]), leaves)
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+    def rebuild(self, tensors: list[torch.Tensor], sizes: dict[int, Any] | None = None) -> Any:
+        """The result holding `tensors`; `sizes`: the numbers at these positions among its
+        numbers replaced (`sized_numbers`)."""
         if self.plain_tuple:
             return tuple(tensors)
-        supply = iter(tensors)
-        return pytree.tree_unflatten([_rebuilt(leaf, supply) for leaf in self.leaves],
+        supply, numbers = iter(tensors), _Numbers(sizes or {})
+        return pytree.tree_unflatten([_rebuilt(leaf, supply, numbers) for leaf in self.leaves],
                                      self.structure)
 
 
 def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, PLAIN):
+    if isinstance(value, (*PLAIN, *_SYMBOLIC)):
         return []
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in _held(item, seen)]
@@ -114,24 +129,39 @@ def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
     return [t for item in vars(value).values() for t in _held(item, seen)]
 
 
-def _rebuilt(value: Any, tensors: Iterator[Any]) -> Any:
+class _Numbers:
+    """The numbers met while walking a result, counted; `replace`: by position."""
+
+    def __init__(self, replace: dict[int, Any]) -> None:
+        self.replace, self.count, self.symbolic = replace, 0, []
+
+    def met(self, value: Any) -> Any:
+        position, self.count = self.count, self.count + 1
+        if isinstance(value, _SYMBOLIC):
+            self.symbolic.append((position, value))
+        return self.replace.get(position, value)
+
+
+def _rebuilt(value: Any, tensors: Iterator[Any], numbers: _Numbers) -> Any:
     """`value` with its tensors (or slots) replaced by the next ones of `tensors` (containers
-    and objects copied, plain values shared)."""
+    and objects copied, plain values shared, numbers as `numbers` says)."""
     if isinstance(value, (torch.Tensor, _Slot)):
         return next(tensors)
+    if isinstance(value, _NUMBERS):
+        return numbers.met(value)
     if isinstance(value, PLAIN):
         return value
     if isinstance(value, list):
-        return [_rebuilt(item, tensors) for item in value]
+        return [_rebuilt(item, tensors, numbers) for item in value]
     if isinstance(value, tuple):
-        items = [_rebuilt(item, tensors) for item in value]
+        items = [_rebuilt(item, tensors, numbers) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
         copied = copy.copy(value)
         for key, item in value.items():
-            copied[key] = _rebuilt(item, tensors)
+            copied[key] = _rebuilt(item, tensors, numbers)
         return copied
     copied = copy.copy(value)
     for key, item in vars(value).items():
-        copied.__dict__[key] = _rebuilt(item, tensors)
+        copied.__dict__[key] = _rebuilt(item, tensors, numbers)
     return copied

@@ -48,7 +48,7 @@ from lazygrad.graph_pair import GraphPair
 from lazygrad.index_key import index_key, pair_key
 from lazygrad.module_state import ModuleState, plain_attributes
 from lazygrad.options import Options
-from lazygrad.outputs import OutputTemplate, tensors_of
+from lazygrad.outputs import OutputTemplate, sized_numbers, tensors_of
 from lazygrad.parts import parts_of
 from lazygrad.session import GraphRunError
 from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call
@@ -269,7 +269,8 @@ class Runtime:
                 roots = self._infer(pair, primals, env, device)
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
-        return entry.template.rebuild(pair.module_outputs(roots, primals, env))
+        outputs = pair.module_outputs(roots, primals, env)
+        return entry.template.rebuild(outputs, pair.sizes_of(env))
 
     def _plan(self, signature: Signature, entry: SignatureEntry) -> tuple[int, Mask | None]:
         """A call's number in the signature's forecast and the mask its forward stashes for
@@ -584,6 +585,7 @@ class Runtime:
                 mask,
                 recompute=self.options.policy == "recompute",
                 static_shapes=signature.shapes is not None,
+                sized_of=sized_numbers,
             )
         if captured.aliasing != entry.aliasing:
             raise CaptureError(

@@ -130,3 +130,37 @@ def test_moe_runs_whole_through_ort_and_matches_eager(kind):
     assert sorted(len(m) for m in masks.values()) == [2], masks
     assert stats.builds + stats.disk_hits == len(stats.entries) and stats.hits >= 3
     assert stats.ort_share > 0
+
+
+def test_mistral_with_its_sliding_window_cache_runs_whole_through_ort():
+    """Mistral returns a sliding-window cache whose layers count the positions they saw
+    (`cumulative_length`, a size): each call's cache holds its own count (it ran in parts
+    before, its own code in eager PyTorch), and its keys are views of a projection."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=4,
+    )
+    model = transformers.MistralForCausalLM(config)
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        warnings.simplefilter("error", lazygrad.GraphBreakWarning)
+        for step, length in enumerate([6, 6, 9, 6]):
+            ids = torch.randint(0, 64, (2, length), generator=generator)
+            for m in (lazy, model):
+                m.zero_grad(set_to_none=True)
+            out, expected = lazy(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+            torch.testing.assert_close(out.loss.detach(), expected.loss.detach())
+            for got, want in zip(out.past_key_values.layers, expected.past_key_values.layers):
+                assert got.cumulative_length == want.cumulative_length == length
+                torch.testing.assert_close(got.keys.detach(), want.keys.detach())
+            out.loss.backward()
+            expected.loss.backward()
+            _assert_grads_match(lazy, model, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    assert stats.hits >= 2

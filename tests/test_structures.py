@@ -191,3 +191,48 @@ def test_an_output_that_holds_a_module_falls_back_to_eager_with_one_warning():
         assert_close(p.grad, q.grad, name)
     stats = lazygrad.stats(lazy)  # its own code in eager PyTorch, its Linear on its own
     assert stats.breaks == 1 and stats.fallbacks == 0 and stats.parts["linear"].exports == 1
+
+
+class LengthCache:
+    """A cache that counts the positions it saw, as Hugging Face's sliding-window layer does
+    (`cumulative_length += key_states.shape[-2]`)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.keys: torch.Tensor | None = None
+
+
+class ReturnsSizes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        cache = LengthCache()
+        cache.keys = self.linear(x)
+        cache.length += x.shape[1]
+        return {"out": self.linear(x).sum(-1), "batch": x.shape[0], "cache": cache,
+                "half": x.shape[1] // 2, "scale": 0.5}
+
+
+def test_sizes_among_the_outputs_are_this_calls_sizes():
+    """A number the forward computes from sizes is a symbol in the trace: each call's result
+    gets its own (`outputs.sized_numbers`), never the first call's. It ran in parts before."""
+    torch.manual_seed(0)
+    model = ReturnsSizes()
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    for step, (batch, length) in enumerate([(2, 4), (2, 4), (3, 5), (5, 8), (2, 4)]):
+        x = torch.randn(batch, length, 3)
+        for m in (lazy, model):
+            m.zero_grad(set_to_none=True)
+        got, want = lazy(x), model(x)
+        assert (got["batch"], got["half"], got["scale"]) == (batch, length // 2, 0.5), step
+        assert got["cache"].length == want["cache"].length == length, step
+        assert_close(got["cache"].keys.detach(), want["cache"].keys.detach(), f"step {step}")
+        (got["out"].sum() + got["cache"].keys.sum()).backward()
+        (want["out"].sum() + want["cache"].keys.sum()).backward()
+        for (name, p), q in zip(lazy.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} {name}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 0 and stats.fallbacks == 0, stats.reasons
+    assert stats.hits == 4

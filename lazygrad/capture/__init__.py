@@ -80,6 +80,7 @@ class Graphs:
     locations: dict[str, tuple[int, int]]  # size symbol -> (primal, dim)
     guards: list[str]  # size conditions (Python code) under which the graphs are valid
     differentiable: list[bool]  # per module output: requires grad in the trace
+    sized: list[tuple[int, str]]  # numbers of the result that are sizes: (position, code)
     seconds: dict[str, float]
 
 
@@ -93,6 +94,7 @@ class Captured:
     guards: list[str]
     differentiable: list[bool]  # per module output: requires grad in the trace
     aliasing: Aliasing
+    sized: list[tuple[int, str]]  # numbers of the result that are sizes: (position, code)
     seconds: dict[str, float]
     untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
 
@@ -112,7 +114,7 @@ class Captured:
                     if isinstance(value, torch.Tensor):
                         digest.update(value.detach().cpu().contiguous().numpy().tobytes())
         digest.update(repr((self.draws, self.guards, self.tidy.roots, self.tidy.outputs,
-                            parts)).encode())
+                            self.sized, parts)).encode())
         return digest.hexdigest()
 
 
@@ -126,6 +128,7 @@ def capture(
     mask: Sequence[bool] | None,
     recompute: bool = False,
     static_shapes: bool = False,
+    sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
 ) -> Captured:
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
@@ -134,7 +137,7 @@ def capture(
     None: an inference graph. The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
-    fn = trace.functional(module, forward, state_names, rebuild, tensors_of, mask)
+    fn = trace.functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of)
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
@@ -142,6 +145,11 @@ def capture(
         traced = trace.trace(fn.fn, primals, dynamic, training, module)
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
+    for _, code in fn.sized:
+        unknown = set(compile(code, "<size>", "eval").co_names) - set(traced.locations)
+        if unknown:
+            raise CaptureError(f"the forward returns a number, {code}, computed from sizes that "
+                               "no input holds")
     try:
         parts = partition.partition(traced, recompute)
         head.recompute_log_softmax(parts, len(traced.mutated) + len(traced.outputs))
@@ -167,6 +175,7 @@ def capture(
         guards=traced.guards,
         differentiable=fn.differentiable,
         aliasing=outputs_share,
+        sized=fn.sized,
         seconds={"trace": time.perf_counter() - started},
         untranslatable=traced.untranslatable,
     )
@@ -221,6 +230,7 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         locations=captured.locations,
         guards=captured.guards,
         differentiable=captured.differentiable,
+        sized=captured.sized,
         seconds=seconds,
     )
 

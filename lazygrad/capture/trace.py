@@ -388,14 +388,15 @@ def functional(
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
     tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
+    sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
 ) -> Functional:
     """fn(*state, *call tensors) -> the roots of the forward's flat tensor outputs, then every
     output that is not a root itself, detached (`aliases.py`): the roots carry the gradients,
     and the traced graph holds each view, from which `tidy` reads how to make it in torch.
 
-    `forward(module, *args, **kwargs)` is the module's original forward. A root that no output
-    in `mask` is made from is detached; `mask` None: no root is (an inference trace, or eager's
-    backward).
+    `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
+    numbers of a result that are sizes. A root that no output in `mask` is made from is
+    detached; `mask` None: no root is (an inference trace, or eager's backward).
     """
     count = len(state_names)
     original = _Original(module, forward)
@@ -409,6 +410,7 @@ def functional(
             result = functional_call(original, state, args, kwargs, tie_weights=True)
         outputs = tensors_of(result)
         made.aliasing, roots = aliases.aliasing(outputs, primals)
+        made.sized = [(position, symbols.to_code(value)) for position, value in sized_of(result)]
         made.differentiable = [bool(o.requires_grad) for o in outputs]
         if mask is not None:
             wanted = made.aliasing.root_mask(mask)
@@ -429,6 +431,7 @@ class Functional:
     fn: Callable[..., tuple[torch.Tensor, ...]] = None  # type: ignore[assignment]
     aliasing: aliases.Aliasing | None = None
     differentiable: list[bool] = dataclasses.field(default_factory=list)  # per output
+    sized: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # numbers, as code
 
     def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.fn(*primals)
