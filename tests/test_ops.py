@@ -3,7 +3,7 @@
 Their backward ops either translate to ONNX, or are lowered at trace time into ops that do
 (`capture/lowerings.py`: convolution_backward, plain and transposed; average pooling with
 ceil_mode and divisor_override; adaptive pooling; diagonal_scatter) or traced as another
-path of the op (weight_norm). Each op's options that take
+path of the op (weight_norm, EmbeddingBag). Each op's options that take
 another path are results of the same model (one build per op). Embedding with padding_idx:
 tests/test_capture.py.
 """
@@ -131,8 +131,26 @@ class Pooled3d(torch.nn.Module):
                     F.adaptive_avg_pool3d(h, 1))
 
 
+class Bags(torch.nn.Module):
+    """EmbeddingBag's fused op has no translated backward: traced as what it computes
+    (`lowerings.embedding_bag`). Sums with per-sample weights that need a gradient and an empty
+    bag; means with padding_idx, of a 2-D input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums = torch.nn.EmbeddingBag(20, 4, mode="sum")
+        self.means = torch.nn.EmbeddingBag(20, 4, mode="mean", padding_idx=0)
+        self.sharpness = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        ids = (x.abs() * 10).long() % 20
+        weights = torch.sigmoid(self.sharpness * x.flatten())
+        sums = self.sums(ids.flatten(), torch.tensor([0, 0, 50]), per_sample_weights=weights)
+        return _cat(sums, self.means(ids.flatten(1)))
+
+
 MODELS = {"transposed_convolution": TransposedConv, "weight_norm": WeightNormed,
-          "pooling_3d": Pooled3d}
+          "pooling_3d": Pooled3d, "embedding_bag": Bags}
 
 
 def _model(name: str) -> torch.nn.Module:

@@ -343,6 +343,57 @@ def _integral(tensor: torch.Tensor) -> bool:
     return not tensor.is_floating_point() and tensor.dtype != torch.bool
 
 
+def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`torch._weight_norm` as torch computes it off CPU and CUDA, instead of the fused
+    `_weight_norm_interface` it takes there."""
+    return v * (g / aten.norm_except_dim.default(v, 2, dim))
+
+
+def embedding_bag(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`torch.embedding_bag` in sum and mean modes as what it computes: each bag's rows (times
+    their per-sample weights; rows of `padding_idx` left out) added up, divided by their count
+    for the mean (an empty bag is zeros). Its other results as the fused `_embedding_bag`
+    returns them for these modes, which only that op's backward reads. Max mode and gradients
+    scaled by frequency or sparse: the fused op, as without lazygrad."""
+    if mode == 2 or scale_grad_by_freq or sparse or indices.dim() != 1:
+        return aten._embedding_bag.default(
+            weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+            include_last_offset, -1 if padding_idx is None else padding_idx)
+    count = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    positions = torch.arange(indices.shape[0], device=indices.device)
+    bag_of = (positions[:, None] >= offsets[None, :count]).sum(-1) - 1
+    rows = aten.embedding.default(weight, indices)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    kept = torch.ones_like(indices, dtype=weight.dtype)
+    if padding_idx is not None and padding_idx >= 0:
+        kept = (indices != padding_idx).to(weight.dtype)
+        rows = rows * kept[:, None]
+    spread = bag_of[:, None].expand(rows.shape)
+    summed = torch.scatter_add(weight.new_zeros(count, weight.shape[1]), 0, spread, rows)
+    sizes = torch.scatter_add(weight.new_zeros(count), 0, bag_of, kept)
+    if mode == 1:
+        summed = summed / torch.clamp(sizes, min=1)[:, None]
+    return summed, bag_of, sizes.to(torch.long), torch.zeros_like(sizes, dtype=torch.long)
+
+
+# Fused ops traced as what they compute (`private.composite_kernels`): their own backward ops
+# have no ONNX translation.
+COMPOSITE = {
+    aten._weight_norm.default: weight_norm,
+    aten.embedding_bag.padding_idx: embedding_bag,
+}
+
 TABLE = {
     aten.index_put.default: accumulate_rows,
     aten._unsafe_index_put.default: accumulate_rows,

@@ -88,25 +88,20 @@ def plain_lstm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def plain_weight_norm() -> Iterator[None]:
-    """Inside, `torch._weight_norm` (weight_norm, as a hook or a parametrization) is traced as
-    torch computes it off CPU and CUDA, `v * (g / norm_except_dim(v))`, never through the fused
-    `_weight_norm_interface`, whose backward has no ONNX translation: the gradient then comes
-    from the norm's and the product's formulas. A Python-dispatcher kernel, so only traces see
-    it; removed on the way out. One trace at a time holds this (as `compiling`)."""
-    op = torch.ops.aten._weight_norm.default
+def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
+    """Inside, each op (an OpOverload) is decomposed above autograd by the kernel given, so its
+    gradient comes from the formulas of the ops the kernel is written with (a fused op's own
+    backward op may have no ONNX translation). Python-dispatcher kernels, so only traces see
+    them; removed on the way out. One trace at a time holds this (as `compiling`)."""
     key = torch._C.DispatchKey.CompositeImplicitAutograd
-
-    def decomposed(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return v * (g / torch.ops.aten.norm_except_dim.default(v, 2, dim))
-
-    op.py_impl(key)(decomposed)
-    op._dispatch_cache.clear()
+    for op, kernel in kernels.items():
+        op.py_impl(key)(kernel)
     try:
         yield
     finally:
-        op.py_kernels.pop(key, None)
-        op._dispatch_cache.clear()
+        for op in kernels:
+            op.py_kernels.pop(key, None)
+            op._dispatch_cache.clear()
 
 
 def in_backward() -> bool:
@@ -156,7 +151,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "plain_lstm", "plain_weight_norm", "in_backward", "queue_at_backward_end",
+__all__ = ["compiling", "plain_lstm", "composite_kernels", "in_backward", "queue_at_backward_end",
            "release_saved_tensors", "set_versions", "replay_view", *_LAZY]
 
 

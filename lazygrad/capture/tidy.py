@@ -166,7 +166,10 @@ def _tidy_backward(
     fw_nodes = {node.name: node for node in fw.graph.nodes}
     # AOTAutograd names each backward input after the forward node it is: the map starts so,
     # and placeholders added below (whose names may be changed to stay unique) join it.
-    sources = {p.name: fw_nodes[p.name] for p in bw_inputs if not p.name.startswith("tangents")}
+    # A saved size may be named after a joint node the forward computes under another name
+    # (the partitioner remakes sizes from its inputs' shapes): sizes are recomputed below.
+    sources = {p.name: fw_nodes[p.name] for p in bw_inputs if not p.name.startswith("tangents")
+               and not (p.name not in fw_nodes and symbols.is_symbolic(p.meta.get("val")))}
     by_name = {p.name: p for p in bw_inputs}  # forward node name -> backward placeholder
 
     def placeholder_for(base: fx.Node) -> fx.Node:

@@ -162,10 +162,11 @@ def trace(
             # The Python dispatcher: AOTAutograd runs the traced forward once more on the fakes
             # for its outputs, and without it some meta kernels (index's broadcast, as in
             # bilinear upsampling) reach C++ ops that refuse symbolic sizes. An LSTM as its
-            # per-step ops (`private.plain_lstm`), weight_norm unfused (`plain_weight_norm`).
+            # per-step ops (`private.plain_lstm`); fused ops as what they compute
+            # (`lowerings.COMPOSITE`).
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
-                    private.plain_lstm(), private.plain_weight_norm():
+                    private.plain_lstm(), private.composite_kernels(lowerings.COMPOSITE):
                 outputs = compiled(*fakes)
         except CaptureError:
             raise
