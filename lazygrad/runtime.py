@@ -32,11 +32,11 @@ from lazygrad.capture import (
     Aliasing,
     Captured,
     CaptureError,
+    Functional,
     Graphs,
     aliasing,
     capture,
     export,
-    functional,
     unchanged,
 )
 from lazygrad.eager import eager_mode, in_eager_mode
@@ -623,6 +623,8 @@ class Runtime:
             return False
         try:
             template = OutputTemplate.from_json(record["template"])
+            shared = Aliasing(tuple(map(tuple, record["aliasing"]["sources"])),
+                              tuple(record["aliasing"]["views"]))
         except Exception:  # a structure this process cannot rebuild: a miss, never an error
             return False
         state_names = list(state)
@@ -633,8 +635,7 @@ class Runtime:
             call=call.without_tensors(),
             template=template,
             differentiable=tuple(record["differentiable"]),
-            aliasing=Aliasing(tuple(map(tuple, record["aliasing"]["sources"])),
-                              tuple(record["aliasing"]["views"])),
+            aliasing=shared,
             state_names=state_names,
             device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
@@ -695,7 +696,7 @@ class Runtime:
         """A step's gradients by eager PyTorch: its forward again from the saved inputs (the
         random draws replayed from the generator state they were drawn from: they are drawn as
         eager draws them, `capture/draws.py`), then autograd with the step's cotangents."""
-        forward = functional(self.module, self.forward_fn, entry.state_names, entry.call.rebuild,
+        forward = Functional(self.module, self.forward_fn, entry.state_names, entry.call.rebuild,
                              tensors_of, None)
         inputs = [p.detach().requires_grad_(p.requires_grad) for p in primals]
         wanted = [i for i, p in enumerate(inputs) if p.requires_grad]

@@ -38,7 +38,7 @@ from lazygrad.capture.aliases import Aliasing, aliasing
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, OutputView, Tidy, apply_views
-from lazygrad.capture.trace import functional, unchanged
+from lazygrad.capture.trace import Functional, unchanged
 
 __all__ = [
     "CaptureError",
@@ -53,7 +53,7 @@ __all__ = [
     "apply_views",
     "capture",
     "export",
-    "functional",
+    "Functional",
     "symbols",
     "unchanged",
 ]
@@ -137,12 +137,12 @@ def capture(
     None: an inference graph. The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
-    fn = trace.functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of)
+    fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of)
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
     with trace.unchanged(module):
-        traced = trace.trace(fn.fn, primals, dynamic, training, module)
+        traced = trace.trace(fn, primals, dynamic, training, module)
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
     for _, code in fn.sized:

@@ -10,7 +10,7 @@ inputs. Every output is made outside the autograd node, in torch, as its root or
 output can be changed in place as in eager, and the backward graph gets one cotangent per root.
 
 The same function reads eager's outputs (the probe of a first step) and the traced ones (the
-trace returns the roots, `trace.functional`), so both number roots alike.
+trace returns the roots, `trace.Functional`), so both number roots alike.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Tidy:
 def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: int,
          aliasing: Aliasing, masked: list[int]) -> Tidy:
     """`num_outputs`: how many tensors the traced function returned (its roots, then its other
-    outputs, `trace.functional`); `masked`: the roots that have a cotangent, in order."""
+    outputs, `trace.Functional`); `masked`: the roots that have a cotangent, in order."""
     fw, bw = parts.forward, parts.backward
     for gm in (fw, bw):
         if gm is not None:

@@ -382,57 +382,51 @@ class _Original(torch.nn.Module):
         return self.forward_fn(self.inner, *args, **kwargs)
 
 
-def functional(
-    module: torch.nn.Module,
-    forward: Callable[..., Any],
-    state_names: Sequence[str],
-    rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
-    tensors_of: Callable[[Any], list[torch.Tensor]],
-    mask: Sequence[bool] | None,
-    sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
-) -> Functional:
+class Functional:
     """fn(*state, *call tensors) -> the roots of the forward's flat tensor outputs, then every
     output that is not a root itself, detached (`aliases.py`): the roots carry the gradients,
     and the traced graph holds each view, from which `tidy` reads how to make it in torch.
+    After a run, `aliasing`, `differentiable` (per output) and `sized` (the result's numbers
+    that are sizes, as code) say what it saw.
 
     `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
     numbers of a result that are sizes. A root that no output in `mask` is made from is
     detached; `mask` None: no root is (an inference trace, or eager's backward).
     """
-    count = len(state_names)
-    original = _Original(module, forward)
-    names = [f"inner.{name}" for name in state_names]
-    made = Functional()
 
-    def fn(*primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state = dict(zip(names, primals[:count]))
-        args, kwargs = rebuild(list(primals[count:]))
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        state_names: Sequence[str],
+        rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
+        tensors_of: Callable[[Any], list[torch.Tensor]],
+        mask: Sequence[bool] | None,
+        sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
+    ) -> None:
+        self.original = _Original(module, forward)
+        self.names = [f"inner.{name}" for name in state_names]
+        self.rebuild, self.tensors_of, self.sized_of = rebuild, tensors_of, sized_of
+        self.mask = mask
+        self.aliasing: aliases.Aliasing | None = None
+        self.differentiable: list[bool] = []
+        self.sized: list[tuple[int, str]] = []
+
+    def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        count = len(self.names)
+        state = dict(zip(self.names, primals[:count]))
+        args, kwargs = self.rebuild(list(primals[count:]))
         with eager_mode():
-            result = functional_call(original, state, args, kwargs, tie_weights=True)
-        outputs = tensors_of(result)
-        made.aliasing, roots = aliases.aliasing(outputs, primals)
-        made.sized = [(position, symbols.to_code(value)) for position, value in sized_of(result)]
-        made.differentiable = [bool(o.requires_grad) for o in outputs]
-        if mask is not None:
-            wanted = made.aliasing.root_mask(mask)
+            result = functional_call(self.original, state, args, kwargs, tie_weights=True)
+        outputs = self.tensors_of(result)
+        self.aliasing, roots = aliases.aliasing(outputs, primals)
+        self.sized = [(at, symbols.to_code(value)) for at, value in self.sized_of(result)]
+        self.differentiable = [bool(o.requires_grad) for o in outputs]
+        if self.mask is not None:
+            wanted = self.aliasing.root_mask(self.mask)
             roots = [root if keep else root.detach() for root, keep in zip(roots, wanted)]
-        others = [o.detach() for o, (kind, _), view in zip(outputs, made.aliasing.sources,
-                                                           made.aliasing.views)
+        others = [o.detach() for o, (kind, _), view in zip(outputs, self.aliasing.sources,
+                                                           self.aliasing.views)
                   if kind == "primal" or view]
         return (*roots, *others)
 
-    made.fn = fn
-    return made
-
-
-@dataclasses.dataclass
-class Functional:
-    """The function `functional` traces, and what its last run saw of the outputs."""
-
-    fn: Callable[..., tuple[torch.Tensor, ...]] = None  # type: ignore[assignment]
-    aliasing: aliases.Aliasing | None = None
-    differentiable: list[bool] = dataclasses.field(default_factory=list)  # per output
-    sized: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # numbers, as code
-
-    def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.fn(*primals)
