@@ -35,14 +35,14 @@ def tensors_of(result: Any) -> list[torch.Tensor]:
     return [t for leaf in flatten(result)[0] for t in _held(leaf, set())]
 
 
-def sized_numbers(result: Any) -> list[tuple[int, Any]]:
-    """The numbers of a traced `result` that are sizes (`x.shape[0]`, a cache's length), as
-    (position among its numbers, symbolic value): each call gets them from its own sizes
-    (`OutputTemplate.rebuild`), never the first call's."""
+def sized_numbers(result: Any) -> tuple[int, list[tuple[int, Any]]]:
+    """How many numbers a traced `result` holds, and those that are sizes (`x.shape[0]`, a
+    cache's length), as (position among its numbers, symbolic value): each call gets them from
+    its own sizes (`OutputTemplate.rebuild`), never the first call's."""
     numbers = _Numbers({})
     for leaf in flatten(result)[0]:
         _rebuilt(leaf, iter(lambda: None, 0), numbers)
-    return numbers.symbolic
+    return numbers.count, numbers.symbolic
 
 
 class _Slot:
@@ -100,6 +100,14 @@ class OutputTemplate:
         """The template `to_json` gave (raises where this process cannot rebuild it)."""
         leaves = [_SLOT if leaf[0] == "tensor" else leaf[1] for leaf in data["leaves"]]
         return cls(pytree.treespec_loads(data["structure"]), leaves)
+
+    @property
+    def number_count(self) -> int:
+        """How many numbers the result holds (positions `rebuild` replaces are among them)."""
+        numbers = _Numbers({})
+        for leaf in self.leaves:
+            _rebuilt(leaf, iter(lambda: None, 0), numbers)
+        return numbers.count
 
     def rebuild(self, tensors: list[torch.Tensor], sizes: dict[int, Any] | None = None) -> Any:
         """The result holding `tensors`; `sizes`: the numbers at these positions among its

@@ -587,6 +587,11 @@ class Runtime:
                 static_shapes=signature.shapes is not None,
                 sized_of=sized_numbers,
             )
+        if captured.sized and captured.numbers != entry.template.number_count:
+            raise CaptureError(
+                f"the trace's result holds {captured.numbers} numbers, eager's "
+                f"{entry.template.number_count}: its sizes cannot be put in their places"
+            )
         if captured.aliasing != entry.aliasing:
             raise CaptureError(
                 "the trace and eager PyTorch disagree on which outputs share memory (trace "

@@ -95,6 +95,7 @@ class Captured:
     differentiable: list[bool]  # per module output: requires grad in the trace
     aliasing: Aliasing
     sized: list[tuple[int, str]]  # numbers of the result that are sizes: (position, code)
+    numbers: int  # how many numbers the result holds
     seconds: dict[str, float]
     untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
 
@@ -128,7 +129,7 @@ def capture(
     mask: Sequence[bool] | None,
     recompute: bool = False,
     static_shapes: bool = False,
-    sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
+    sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
 ) -> Captured:
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
@@ -176,6 +177,7 @@ def capture(
         differentiable=fn.differentiable,
         aliasing=outputs_share,
         sized=fn.sized,
+        numbers=fn.numbers,
         seconds={"trace": time.perf_counter() - started},
         untranslatable=traced.untranslatable,
     )

@@ -386,8 +386,8 @@ class Functional:
     """fn(*state, *call tensors) -> the roots of the forward's flat tensor outputs, then every
     output that is not a root itself, detached (`aliases.py`): the roots carry the gradients,
     and the traced graph holds each view, from which `tidy` reads how to make it in torch.
-    After a run, `aliasing`, `differentiable` (per output) and `sized` (the result's numbers
-    that are sizes, as code) say what it saw.
+    After a run, `aliasing`, `differentiable` (per output), `numbers` (how many the result
+    holds) and `sized` (those that are sizes, as code) say what it saw.
 
     `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
     numbers of a result that are sizes. A root that no output in `mask` is made from is
@@ -402,7 +402,7 @@ class Functional:
         rebuild: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
         tensors_of: Callable[[Any], list[torch.Tensor]],
         mask: Sequence[bool] | None,
-        sized_of: Callable[[Any], list[tuple[int, Any]]] = lambda result: [],
+        sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
     ) -> None:
         self.original = _Original(module, forward)
         self.names = [f"inner.{name}" for name in state_names]
@@ -411,6 +411,7 @@ class Functional:
         self.aliasing: aliases.Aliasing | None = None
         self.differentiable: list[bool] = []
         self.sized: list[tuple[int, str]] = []
+        self.numbers = 0
 
     def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         count = len(self.names)
@@ -420,7 +421,8 @@ class Functional:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
         outputs = self.tensors_of(result)
         self.aliasing, roots = aliases.aliasing(outputs, primals)
-        self.sized = [(at, symbols.to_code(value)) for at, value in self.sized_of(result)]
+        self.numbers, sized = self.sized_of(result)
+        self.sized = [(at, symbols.to_code(value)) for at, value in sized]
         self.differentiable = [bool(o.requires_grad) for o in outputs]
         if self.mask is not None:
             wanted = self.aliasing.root_mask(self.mask)
