@@ -19,6 +19,7 @@ serves a step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -105,32 +106,16 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     return aten.reshape.default(y, list(weight.shape))
 
 
-def avg_pool2d_backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    kernel_size: list[int],
-    stride: list[int],
-    padding: list[int],
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-) -> torch.Tensor:
-    return _avg_pool_backward(grad_output, input, kernel_size, stride, padding,
-                              count_include_pad, divisor_override, 2)
+def avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
+    """avg_pool2d_backward (dims 2) or avg_pool3d_backward (dims 3), lowered."""
 
+    def lowered(grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int],
+                stride: list[int], padding: list[int], ceil_mode: bool,
+                count_include_pad: bool, divisor_override: int | None) -> torch.Tensor:
+        return _avg_pool_backward(grad_output, input, kernel_size, stride, padding,
+                                  count_include_pad, divisor_override, dims)
 
-def avg_pool3d_backward(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    kernel_size: list[int],
-    stride: list[int],
-    padding: list[int],
-    ceil_mode: bool,
-    count_include_pad: bool,
-    divisor_override: int | None,
-) -> torch.Tensor:
-    return _avg_pool_backward(grad_output, input, kernel_size, stride, padding,
-                              count_include_pad, divisor_override, 3)
+    return lowered
 
 
 def _avg_pool_backward(grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int],
@@ -399,8 +384,8 @@ TABLE = {
     aten._unsafe_index_put.default: accumulate_rows,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d.default: avg_pool2d,
-    aten.avg_pool2d_backward.default: avg_pool2d_backward,
-    aten.avg_pool3d_backward.default: avg_pool3d_backward,
+    aten.avg_pool2d_backward.default: avg_pool_backward(2),
+    aten.avg_pool3d_backward.default: avg_pool_backward(3),
     aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
     aten.diagonal_scatter.default: diagonal_scatter,
     aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
