@@ -149,8 +149,24 @@ class Bags(torch.nn.Module):
         return _cat(sums, self.means(ids.flatten(1)))
 
 
+class SpectralNormed(torch.nn.Module):
+    """spectral_norm's power iteration computes `W.T @ u` (and every `mv`'s backward reads a
+    transposed matrix times a vector), which ONNX Runtime's Transpose-MatMul fusion computed
+    wrong: lowered to a matrix product (`lowerings.matrix_vector`). Its buffers are updated as
+    in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Conv2d(3, 4, 3))
+        self.direction = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.conv(x)
+        return _cat(h, torch.mv(h.mean((2, 3)), self.direction)[:, None])
+
+
 MODELS = {"transposed_convolution": TransposedConv, "weight_norm": WeightNormed,
-          "pooling_3d": Pooled3d, "embedding_bag": Bags}
+          "pooling_3d": Pooled3d, "embedding_bag": Bags, "spectral_norm": SpectralNormed}
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -175,6 +191,8 @@ def test_op_runs_through_ort_with_eagers_outputs_and_gradients(name):
         (expected * cotangent).sum().backward()
         assert_close(out.detach(), expected.detach(), f"{name} step {step} output")
         assert_grads_equal(lazy, eager, f"{name} step {step}")
+        for (buffer, got), want in zip(lazy.named_buffers(), eager.buffers()):
+            assert_close(got, want, f"{name} step {step} {buffer}")
     assert ran_through_ort([out])
     assert lazygrad.stats(lazy).fallbacks == 0
 

@@ -10,7 +10,8 @@ ignores the override) into a window sum; adaptive average pooling's backward int
 products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
-into scatter_add (`accumulate_rows`); and an unstable sort into the stable one
+into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
+into a matrix product (`matrix_vector`); and an unstable sort into the stable one
 (`stable_sort`). Like torch._decomp's tables these compute the op itself, not a gradient of
 anything, and every graph built with them is checked against its FX graph (verify.py) before it
 serves a step.
@@ -288,6 +289,14 @@ def diagonal_scatter(
     return torch.where(on_diagonal, spread, input)
 
 
+def matrix_vector(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """`mv` as a product with a one-column matrix: ONNX Runtime 1.32 (CPU) fuses a Transpose
+    into a MatMul whose second input has one dimension and computes another value (the
+    backward of any `mv`, and spectral_norm's power iteration `W.T @ u`, read such a
+    transpose); with two dimensions its fusion is right."""
+    return aten.squeeze.dim(aten.mm.default(matrix, aten.unsqueeze.default(vector, -1)), -1)
+
+
 def accumulate_rows(
     self: torch.Tensor,
     indices: list[torch.Tensor | None],
@@ -380,6 +389,7 @@ COMPOSITE = {
 }
 
 TABLE = {
+    aten.mv.default: matrix_vector,
     aten.index_put.default: accumulate_rows,
     aten._unsafe_index_put.default: accumulate_rows,
     aten.convolution_backward.default: convolution_backward,
