@@ -60,6 +60,10 @@ OPS = {
     "avg_pool": _avg_pool,
     "adaptive_avg_pool": lambda h: F.adaptive_avg_pool2d(h, (2, 3)),
     "adaptive_max_pool": lambda h: F.adaptive_max_pool2d(_ties(h), (3, 5)),
+    # A mean restrided by torch for a channels-last input (Swin's pooler: a transposed sequence)
+    "global_avg_pool_channels_last": lambda h: _cat(
+        F.adaptive_avg_pool1d(h.flatten(2).transpose(1, 2), 1),
+        F.adaptive_avg_pool2d(h.contiguous(memory_format=torch.channels_last), 1)),
     "upsample_nearest": lambda h: _cat(F.interpolate(h, scale_factor=2, mode="nearest"),
                                        F.interpolate(h, size=(11, 5), mode="nearest")),
     "upsample_bilinear": lambda h: _cat(

@@ -381,11 +381,30 @@ def embedding_bag(
     return summed, bag_of, sizes.to(torch.long), torch.zeros_like(sizes, dtype=torch.long)
 
 
-# Fused ops traced as what they compute (`private.composite_kernels`): their own backward ops
-# have no ONNX translation.
+def adaptive_avg_pool2d(input: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+    """torch's own path (a mean, for a 1x1 output) without the restride it gives the mean of a
+    channels-last input (`as_strided_`, whose backward, as_strided_scatter, has no ONNX
+    translation: AdaptiveAvgPool1d(1) of a transposed sequence, Swin's pooler). The values are
+    the same; only the strides of the size-1 dimensions differ."""
+    if list(output_size) == [1, 1]:
+        return aten.mean.dim(input, [-1, -2], True)
+    return aten._adaptive_avg_pool2d.default(input, output_size)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+    """As `adaptive_avg_pool2d`, in 3-D."""
+    if list(output_size) == [1, 1, 1]:
+        return aten.mean.dim(input, [-1, -2, -3], True)
+    return aten._adaptive_avg_pool3d.default(input, output_size)
+
+
+# Ops traced as what they compute (`private.composite_kernels`), above autograd: the backward
+# ops of their own kernels (fused, or restrided) have no ONNX translation.
 COMPOSITE = {
     aten._weight_norm.default: weight_norm,
     aten.embedding_bag.padding_idx: embedding_bag,
+    aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
+    aten.adaptive_avg_pool3d.default: adaptive_avg_pool3d,
 }
 
 TABLE = {
