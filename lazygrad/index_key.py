@@ -45,10 +45,11 @@ from lazygrad import attach
 
 # A module's `__dict__` entries that are not hashed as values: its tensors and submodules
 # (hashed as structure, or by the signature), hooks that never run in a forward, and lazygrad's
-# own entries (an instance `forward` routing to its runtime).
+# own entries (its runtime; an instance `forward` routing to it is skipped by type: another
+# instance `forward`, the user's, is hashed, or makes the key None).
 _SKIPPED = frozenset({
     "_parameters", "_buffers", "_modules", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", attach.RUNTIME, "forward",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", attach.RUNTIME,
 })
 _BUDGET = 200_000  # values hashed per key at most: a huge attribute gets no index, not a slow call
 
@@ -67,7 +68,8 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
             hasher.feed(("module", name, *_code(type(submodule))))
             hasher.code_modules.update(k.__module__ for k in type(submodule).__mro__)
             hasher.feed((list(submodule._parameters), list(submodule._buffers)))
-            hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED})
+            hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED
+                         and not isinstance(v, attach.LazyForward)})
         hasher.feed(list(state_names))
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
                      signature.state, signature.shapes, parts))

@@ -3,7 +3,11 @@
 A trace reads Python attributes of the modules (a flag, a size, a scale) as constants: they are
 part of what a graph was captured for, so every plain attribute (a bool, number, string, None,
 or a tuple of them) of every submodule is part of the call's signature, and changing one
-captures again.
+captures again. So are, per submodule, the ids of its forward and backward hooks (a hook added
+or removed after a build is traced into the next graph, not ignored), an instance `forward` put
+in its place, and the plain attributes of the plain objects it holds (a Hugging Face `config`,
+which its forward reads at every call: a logit soft-cap or a sliding window changed on the
+config served the old graph, silently wrong, before).
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -12,11 +16,12 @@ buffer and submodule assigned anywhere, and each call also checks that every cac
 still the one its module holds (which catches direct writes to `_parameters`, as
 `torch.__future__.set_overwrite_module_params_on_conversion` makes `.to()` do).
 
-The plain attributes are read again only when a submodule's `__dict__` changed: each call
-compares every `__dict__`'s keys and values, by identity, with those the attributes were last
-read from (a few C-level passes, where filtering every attribute in Python cost more than ORT's
-run), and returns the very same `modes` tuple while they match. The values compared are held
-until the next change, so an attribute the module replaced stays alive until its next call.
+The plain attributes are read again only when a submodule's `__dict__` (or one of its hook
+dicts, or the `__dict__` of an object it holds) changed: each call compares every such dict's
+keys and values, by identity, with those the attributes were last read from (a few C-level
+passes, where filtering every attribute in Python cost more than ORT's run), and returns the
+very same `modes` tuple while they match. The values compared are held until the next change, so
+an attribute the module replaced stays alive until its next call.
 """
 
 from __future__ import annotations
@@ -44,12 +49,15 @@ torch_module.register_module_module_registration_hook(_structure_changed)
 
 class _Attributes(NamedTuple):
     """The plain attributes of every submodule (`modes`), and what they were read from: every
-    submodule's `__dict__`, as lengths, keys and values (held, so no identity is reused)."""
+    submodule's `__dict__`, then the dicts it holds that are watched too (`extras`: its hook
+    dicts, the `__dict__`s of its plain objects), as lengths, keys and values (held, so no
+    identity is reused)."""
 
     lengths: list[int]
-    keys: list[str]
+    keys: list[object]
     values: list[object]
     modes: tuple
+    extras: list[dict]
 
 
 class ModuleState:
@@ -71,7 +79,7 @@ class ModuleState:
             self._walk()
         dicts = list(map(vars, self._modules))
         attributes = self._attributes
-        if attributes is None or not _unchanged(attributes, dicts):
+        if attributes is None or not _unchanged(attributes, dicts + attributes.extras):
             attributes = self._attributes = _read(dicts, attributes)
         return self._state, attributes.modes
 
@@ -111,15 +119,47 @@ def plain_attributes(module: torch.nn.Module) -> tuple:
 
 
 def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
-    modes = tuple(tuple(item for item in d.items() if _is_plain(item[1])) for d in dicts)
+    modes = tuple(map(_modes_of, dicts))
     if previous is not None and modes == previous.modes:
         modes = previous.modes  # the same object while equal: the signature's fast path
+    hooks = [hook for d in dicts for name in _HOOKS
+             if isinstance(hook := d.get(name), dict)]
+    objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
+    watched = dicts + hooks + list(objects.values())
     return _Attributes(
-        list(map(len, dicts)),
-        list(_chain(map(dict.keys, dicts))),
-        list(_chain(map(dict.values, dicts))),
+        list(map(len, watched)),
+        list(_chain(map(dict.keys, watched))),
+        list(_chain(map(dict.values, watched))),
         modes,
+        hooks + list(objects.values()),
     )
+
+
+# The hook dicts whose hooks run in a forward or its backward (the `_with_kwargs` and
+# `_always_called` flags change with `_forward_hooks`).
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _modes_of(attributes: dict) -> tuple:
+    """A submodule's part of the signature: its plain attributes; the ids of its hooks, per
+    hook dict; an instance `forward` (by identity); each plain object's plain attributes."""
+    modes = [item for item in attributes.items() if _is_plain(item[1])]
+    for name in _HOOKS:
+        if hooks := attributes.get(name):
+            modes.append((name, tuple(hooks)))
+    if (forward := attributes.get("forward")) is not None:
+        modes.append(("forward", id(forward)))
+    for name, value in attributes.items():
+        if _is_plain_object(value):
+            modes.append((name, tuple(i for i in vars(value).items() if _is_plain(i[1]))))
+    return tuple(modes)
+
+
+def _is_plain_object(value: object) -> bool:
+    """An instance of a plain class holding settings (a config), not a module, a tensor, a
+    type or a callable."""
+    return (hasattr(value, "__dict__") and not callable(value)
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type)))
 
 
 _chain = itertools.chain.from_iterable

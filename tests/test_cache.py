@@ -181,3 +181,56 @@ def test_a_module_that_counts_its_calls_runs_every_call_eagerly_and_says_so_once
     said = [str(w.message) for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
     assert len(said) == 1 and "attributes (calls)" in said[0]
     assert said[0].endswith(stats.reasons[0])
+
+
+class Settings:
+    """A plain object of settings that the forward reads at every call (a Hugging Face config)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class ReadsSettings(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = Settings()
+        self.inner = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)) * self.settings.scale)
+
+
+def _doubled(module, args, output):
+    return output * 2
+
+
+CHANGES = {
+    "a forward hook added on a submodule":
+        lambda m: m.inner.register_forward_hook(_doubled),
+    "a forward pre-hook added on a submodule":
+        lambda m: m.head.register_forward_pre_hook(lambda module, args: (args[0] + 1,)),
+    "a setting changed on a held object": lambda m: setattr(m.settings, "scale", 3.0),
+    "a submodule's forward replaced on the instance":
+        lambda m: setattr(m.inner, "forward", lambda x, inner=m.inner: inner.weight.sum() + x),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_the_build_is_traced_again_not_served_stale(change):
+    """Each of these once kept serving the graph traced before it, with other values and
+    gradients and no reason given; now each is part of the signature."""
+    torch.manual_seed(0)
+    eager = ReadsSettings()
+    lazy = lazy_copy(eager)
+    handles = {}
+    for step in range(5):
+        if step == 3:
+            handles = {id(m): CHANGES[change](m) for m in (eager, lazy)}
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"{change}, step {step}")
+    assert lazygrad.stats(lazy).hits == 3  # one before the change, one after its rebuild...
+    for handle in handles.values():  # ... and a removed hook is seen too
+        if hasattr(handle, "remove"):
+            handle.remove()
+    sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"{change} removed")
+    assert lazygrad.stats(lazy).fallbacks == 0
