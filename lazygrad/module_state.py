@@ -33,6 +33,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.modules import module as torch_module
 
+from lazygrad.attach import LazyForward
+
 _changes = itertools.count()
 _structure_version = next(_changes)
 
@@ -147,7 +149,8 @@ def _modes_of(attributes: dict) -> tuple:
     for name in _HOOKS:
         if hooks := attributes.get(name):
             modes.append((name, tuple(hooks)))
-    if (forward := attributes.get("forward")) is not None:
+    forward = attributes.get("forward")
+    if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
         modes.append(("forward", id(forward)))
     for name, value in attributes.items():
         if _is_plain_object(value):
