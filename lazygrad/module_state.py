@@ -52,14 +52,17 @@ torch_module.register_module_module_registration_hook(_structure_changed)
 class _Attributes(NamedTuple):
     """The plain attributes of every submodule (`modes`), and what they were read from: every
     submodule's `__dict__`, then the dicts it holds that are watched too (`extras`: its hook
-    dicts, the `__dict__`s of its plain objects), as lengths, keys and values (held, so no
-    identity is reused)."""
+    dicts that hold hooks, the `__dict__`s of its plain objects), as lengths, keys and values
+    (held, so no identity is reused); and every hook dict's length (`hooks`, `hook_lengths`:
+    a hook added to an empty one, in one pass)."""
 
     lengths: list[int]
     keys: list[object]
     values: list[object]
     modes: tuple
     extras: list[dict]
+    hooks: list[dict]
+    hook_lengths: list[int]
 
 
 class ModuleState:
@@ -81,7 +84,8 @@ class ModuleState:
             self._walk()
         dicts = list(map(vars, self._modules))
         attributes = self._attributes
-        if attributes is None or not _unchanged(attributes, dicts + attributes.extras):
+        if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
+                or not _unchanged(attributes, dicts + attributes.extras)):
             attributes = self._attributes = _read(dicts, attributes)
         return self._state, attributes.modes
 
@@ -127,13 +131,16 @@ def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
     hooks = [hook for d in dicts for name in _HOOKS
              if isinstance(hook := d.get(name), dict)]
     objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
-    watched = dicts + hooks + list(objects.values())
+    extras = [hook for hook in hooks if hook] + list(objects.values())
+    watched = dicts + extras
     return _Attributes(
         list(map(len, watched)),
         list(_chain(map(dict.keys, watched))),
         list(_chain(map(dict.values, watched))),
         modes,
-        hooks + list(objects.values()),
+        extras,
+        hooks,
+        list(map(len, hooks)),
     )
 
 
@@ -159,10 +166,12 @@ def _modes_of(attributes: dict) -> tuple:
 
 
 def _is_plain_object(value: object) -> bool:
-    """An instance of a plain class holding settings (a config), not a module, a tensor, a
-    type or a callable."""
-    return (hasattr(value, "__dict__") and not callable(value)
-            and not isinstance(value, (torch.nn.Module, torch.Tensor, type)))
+    """An instance of a plain class holding settings (a config): attributes of its own, and not
+    a container (a module's hook and parameter dicts), a module, a tensor, a type or a
+    callable."""
+    return (bool(getattr(value, "__dict__", None)) and not callable(value)
+            and not isinstance(value, (dict, list, tuple, set, torch.nn.Module, torch.Tensor,
+                                       type)))
 
 
 _chain = itertools.chain.from_iterable
