@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lazygrad.capture import Feed, Graphs, apply_views, symbols
+from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols
 from lazygrad.session import GraphSession
 
 
@@ -43,11 +43,10 @@ class GraphPair:
         self._root_views = [(slot.index, _views(slot.views)) for slot in graphs.roots]
         self._output_views = [(o.source == "root", o.index, _views(o.views))
                               for o in graphs.outputs]
+        self.aliasing = Aliasing(tuple((o.source, o.index) for o in graphs.outputs),
+                                 tuple(bool(o.views) for o in graphs.outputs))
         # The roots that get a cotangent: those the outputs of the mask are made from.
-        self.root_mask: tuple[bool, ...] | None = None if mask is None else tuple(
-            any(bit and o.source == "root" and o.index == k for o, bit in zip(graphs.outputs, mask))
-            for k in range(len(graphs.roots))
-        )
+        self.root_mask = None if mask is None else self.aliasing.root_mask(mask)
         self._segments = _schedule(graphs) if graphs.backward_segments else []
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -134,10 +133,6 @@ class GraphPair:
             _apply(views, (roots if of_root else primals)[index], env)
             for of_root, index, views in self._output_views
         ]
-
-    def output_mask(self, root_mask: Sequence[bool]) -> tuple[bool, ...]:
-        """The grad mask of the module outputs when these roots get a gradient."""
-        return tuple(of_root and root_mask[index] for of_root, index, _ in self._output_views)
 
     def roots_in_mask(
         self, results: Sequence[torch.Tensor | None], env: dict[str, int]

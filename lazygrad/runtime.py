@@ -710,7 +710,7 @@ class Runtime:
                 torch.enable_grad(), builder.autocast(signature.autocast), unchanged(self.module):
             if generator is not None:
                 set_generator_state(device, generator)
-            roots = forward(*inputs)  # the roots first (`functional`): a cotangent each
+            roots = forward(*inputs)  # the roots first (`Functional`): a cotangent each
             given = [(r, c) for r, c in zip(roots, cotangents) if c is not None]
             grads = torch.autograd.grad(
                 [o for o, _ in given], [inputs[i] for i in wanted], [c for _, c in given],

@@ -88,7 +88,7 @@ class Step:
             return [None] * count
         if self.policy == "all":
             return self._backward_all(primals, draws, kept, grads, root_mask)
-        mask = self.pair.output_mask(root_mask)
+        mask = self.pair.aliasing.output_mask(root_mask)
         self._on_mask(mask)
         pair = self._pair_for(mask, primals, grads)
         if pair is None:
