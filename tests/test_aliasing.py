@@ -105,7 +105,8 @@ def test_views_of_outputs_change_in_place_as_in_eager():
         (got * got).sum().backward()
         (want * want).sum().backward()
         assert_grads_equal(lazy, eager, "parameters")
-    assert lazygrad.stats(lazy).hits == 2
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
 
 
 def test_an_in_place_change_of_a_saved_root_is_refused_as_in_eager():
@@ -119,3 +120,4 @@ def test_an_in_place_change_of_a_saved_root_is_refused_as_in_eager():
         out.mul_(2)
         with pytest.raises(RuntimeError, match="inplace"):
             out.sum().backward()
+    assert lazygrad.stats(lazy).fallbacks == 0
