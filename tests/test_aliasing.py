@@ -1,7 +1,7 @@
 """Outputs that share memory: a tensor and a view of it, two views of one intermediate, a view of
 an input, a parameter itself. AOTAutograd gives a cotangent only to outputs that alias nothing;
 lazygrad passes their roots through autograd and makes every output from its root in torch
-(`capture/aliases.py`). Before, `hidden, hidden[:, 0]` trained silently wrong through ORT
+(`capture/aliases.py`); an output a custom autograd Function made is a root of its own. Before, `hidden, hidden[:, 0]` trained silently wrong through ORT
 (the view's gradient was dropped), and two views of one tensor crashed in backward."""
 
 from __future__ import annotations
@@ -13,6 +13,18 @@ import torch
 from conftest import assert_close, assert_grads_equal, ran_through_ort
 
 import lazygrad
+
+class GradientReversal(torch.autograd.Function):
+    """Returns a view of its input with a backward of its own, as domain-adversarial models do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
 
 OUTPUTS = {
     "tensor and its first token": lambda y, x, m: (y, y[:, 0]),
@@ -27,6 +39,10 @@ OUTPUTS = {
     "the input itself": lambda y, x, m: (y, x),
     "a parameter": lambda y, x, m: (y, m.linear.weight),
     "a view of a parameter": lambda y, x, m: (y, m.linear.weight.t()),
+    # A custom Function's view is a root: replayed on its base, the view skipped the Function's
+    # backward (the reversed gradient came out with the wrong sign, at every step, through ORT).
+    "a gradient reversal of the tensor": lambda y, x, m: (GradientReversal.apply(y),),
+    "a tensor and its gradient reversal": lambda y, x, m: (2 * y, GradientReversal.apply(y)),
 }
 
 

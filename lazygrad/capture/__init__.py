@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 
 from lazygrad.capture import (
+    backward_hooks,
+    escapes,
     gelu,
     head,
     node_order,
@@ -138,12 +140,14 @@ def capture(
     None: an inference graph. The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
+    backward_hooks.refuse_backward_hooks(module)
     fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of)
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
     with trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
+    escapes.refuse_kept_tensors(traced.mode)  # once the module holds its own tensors again
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
     for _, code in fn.sized:

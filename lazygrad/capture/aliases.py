@@ -9,6 +9,9 @@ inputs. Every output is made outside the autograd node, in torch, as its root or
 (or of its input), so autograd sums a view's gradient into its root's exactly as eager does, an
 output can be changed in place as in eager, and the backward graph gets one cotangent per root.
 
+An output a custom autograd Function returned is a root even where it is a view: its node's
+backward is the Function's own.
+
 The same function reads eager's outputs (the probe of a first step) and the traced ones (the
 trace returns the roots, `trace.Functional`), so both number roots alike.
 """
@@ -71,7 +74,7 @@ def aliasing(outputs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor]
     sources = []
     views = []
     for output in outputs:
-        base = output._base if output._base is not None else output
+        base = output if output._base is None or _made_by_a_function(output) else output._base
         primal = next((i for i, p in enumerate(primals) if p is base), None)
         if primal is not None:
             sources.append(("primal", primal))
@@ -83,3 +86,14 @@ def aliasing(outputs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor]
             sources.append(("root", index))
         views.append(output is not base)
     return Aliasing(tuple(sources), tuple(views)), roots
+
+
+def _made_by_a_function(output: torch.Tensor) -> bool:
+    """Whether a custom autograd Function returned `output` (as AOTAutograd's
+    `custom_function_view` tells). A Function may return a view of its input with a backward of
+    its own (a gradient reversal layer; the identity that `register_full_backward_hook` puts
+    around a submodule's output): replaying the view on its base would skip that backward, so
+    such an output is a root of its own."""
+    grad_fn = output.grad_fn
+    return isinstance(grad_fn, torch.autograd.function.BackwardCFunction) or \
+        type(grad_fn).__name__ == "CppFunction"

@@ -43,6 +43,7 @@ class Traced:
     locations: symbols.Locations  # size symbol -> (primal, dim) where a call's value is read
     guards: list[str]  # conditions on the sizes (Python code) under which the graph is valid
     untranslatable: list[tuple[str, str]]  # (op, submodule) of ATen ops ONNX may not translate
+    mode: Any  # the trace's FakeTensorMode: what its tensors are told apart by (escapes.py)
 
 
 @functools.cache
@@ -180,9 +181,9 @@ def trace(
         guards = size_guards(mode.shape_env, where)
         if training and "joint" in got:
             return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
-                          guards, untranslatable)
+                          guards, untranslatable, mode)
         return Traced(got["inference"], False, len(mutated) + len(outputs), mutated, outputs, where,
-                      guards, untranslatable)
+                      guards, untranslatable, mode)
 
 
 _MODULE = "lazygrad_module"

@@ -1,0 +1,56 @@
+"""Traced tensors that outlive the trace: user code kept one, so the graphs cannot stand in.
+
+A forward hook that stores a submodule's output for later (a feature extractor, an activation
+logger, a distillation loss), or code that appends to a global, runs once during the trace with
+the trace's tensors and never again on ORT steps: the store would hold a tensor that cannot be
+used ("Attempting to use FunctionalTensor on its own") where eager keeps each step's. Hooks whose
+tensors stay inside the call (Hugging Face's output recorders fill a collector that the same
+forward returns) are traced as any other code. So the trace itself is the test: any traced
+tensor still referenced once it returns was kept by user code, and the call cannot be captured
+whole; the module then runs in parts, whose calls fire the hooks with real tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from lazygrad.capture import private
+from lazygrad.capture.errors import CaptureError
+
+
+def refuse_kept_tensors(mode: private.FakeTensorMode) -> None:
+    """Raise CaptureError, naming what holds them, if a tensor of the trace run in `mode` (its
+    fake tensor mode) is still referenced. Those of other traces are not this one's doing (an
+    earlier trace that failed, kept by its error)."""
+    gc.collect()
+    traced = private.FunctionalTensor
+    kept = [thing for thing in gc.get_objects()
+            if type(thing) is traced and _mode_of(thing) is mode]
+    if kept:
+        holders = sorted({_holder(tensor, kept) for tensor in kept})
+        raise CaptureError(
+            f"the forward keeps {len(kept)} traced tensor(s) after the call ({'; '.join(holders)}): "
+            "a hook or other user code stores them, so ORT steps would leave it holding tensors "
+            "that cannot be used where eager stores each step's"
+        )
+
+
+def _mode_of(tensor: torch.Tensor) -> object:
+    inner = torch._from_functional_tensor(tensor.elem)
+    return getattr(inner, "fake_mode", None)
+
+
+def _holder(tensor: object, kept: list[object]) -> str:
+    """A short description of what references `tensor` (a dict key, a list), `kept` aside."""
+    for referrer in gc.get_referrers(tensor):
+        if referrer is kept:
+            continue
+        if isinstance(referrer, dict):
+            keys = [key for key, value in referrer.items() if value is tensor]
+            if keys:
+                return f"a dict, under {keys[0]!r}"
+        if isinstance(referrer, list):
+            return "a list"
+    return "an object"
