@@ -12,7 +12,10 @@ whole; the module then runs in parts, whose calls fire the hooks with real tenso
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -20,14 +23,21 @@ from lazygrad.capture import private
 from lazygrad.capture.errors import CaptureError
 
 
-def refuse_kept_tensors(mode: private.FakeTensorMode) -> None:
-    """Raise CaptureError, naming what holds them, if a tensor of the trace run in `mode` (its
-    fake tensor mode) is still referenced. Those of other traces are not this one's doing (an
-    earlier trace that failed, kept by its error)."""
+@contextlib.contextmanager
+def watching() -> Iterator[dict[int, Callable[[], Any]]]:
+    """Around a trace: records the traced tensors it makes, for `refuse_kept_tensors`."""
+    with private.functional_tensors_made() as made:
+        yield made
+
+
+def refuse_kept_tensors(made: dict[int, Callable[[], Any]], mode: object) -> None:
+    """Raise CaptureError, naming what holds them, if a traced tensor the trace run in `mode`
+    (its fake tensor mode) made is still referenced. Garbage in reference cycles is collected
+    first, only where some are found alive."""
+    if not _kept(made, mode):
+        return
     gc.collect()
-    traced = private.FunctionalTensor
-    kept = [thing for thing in gc.get_objects()
-            if type(thing) is traced and _mode_of(thing) is mode]
+    kept = _kept(made, mode)
     if kept:
         holders = sorted({_holder(tensor, kept) for tensor in kept})
         raise CaptureError(
@@ -35,6 +45,11 @@ def refuse_kept_tensors(mode: private.FakeTensorMode) -> None:
             "a hook or other user code stores them, so ORT steps would leave it holding tensors "
             "that cannot be used where eager stores each step's"
         )
+
+
+def _kept(made: dict[int, Callable[[], Any]], mode: object) -> list[torch.Tensor]:
+    alive = (reference() for reference in made.values())
+    return [tensor for tensor in alive if tensor is not None and _mode_of(tensor) is mode]
 
 
 def _mode_of(tensor: torch.Tensor) -> object:

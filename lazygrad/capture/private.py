@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -104,6 +105,27 @@ def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
             op._dispatch_cache.clear()
 
 
+@contextlib.contextmanager
+def functional_tensors_made() -> Iterator[dict[int, Callable[[], Any]]]:
+    """Inside, every FunctionalTensor made (the tensors a trace hands to the model's code) is
+    recorded, by weak reference, in the dict yielded (id -> weakref). A weak set would compare
+    tensors with `==`. One trace at a time holds this (as `compiling`)."""
+    cls = importlib.import_module("torch._subclasses.functional_tensor").FunctionalTensor
+    made: dict[int, Callable[[], Any]] = {}
+    original = cls.__new__
+
+    def recorded(klass: type, *args: Any, **kwargs: Any) -> Any:
+        tensor = original(klass, *args, **kwargs)
+        made[id(tensor)] = weakref.ref(tensor)
+        return tensor
+
+    cls.__new__ = staticmethod(recorded)
+    try:
+        yield made
+    finally:
+        cls.__new__ = original
+
+
 def in_backward() -> bool:
     """Whether this thread is inside an autograd backward now."""
     return torch._C._current_graph_task_id() != -1
@@ -124,7 +146,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "aot_function": ("torch._functorch.aot_autograd", "aot_function"),
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
-    "FunctionalTensor": ("torch._subclasses.functional_tensor", "FunctionalTensor"),
     "ExportedProgram": ("torch.export", "ExportedProgram"),
     "ModuleCallEntry": ("torch.export.exported_program", "ModuleCallEntry"),
     "ModuleCallSignature": ("torch.export.exported_program", "ModuleCallSignature"),
