@@ -7,7 +7,10 @@ captures again. So are, per submodule, the ids of its forward and backward hooks
 or removed after a build is traced into the next graph, not ignored), an instance `forward` put
 in its place, and the plain attributes of the plain objects it holds (a Hugging Face `config`,
 which its forward reads at every call: a logit soft-cap or a sliding window changed on the
-config served the old graph, silently wrong, before).
+config served the old graph, silently wrong, before). So are its tensor attributes that are
+neither parameters nor buffers (a mask or a scale kept as a plain attribute), by identity and
+version counter: a trace bakes their values into the graph, and one replaced or changed in
+place after a build served the old values, silently wrong, before.
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -63,6 +66,8 @@ class _Attributes(NamedTuple):
     extras: list[dict]
     hooks: list[dict]
     hook_lengths: list[int]
+    tensors: list[torch.Tensor]  # the submodules' plain tensor attributes
+    versions: list[int]  # their version counters when read
 
 
 class ModuleState:
@@ -85,6 +90,7 @@ class ModuleState:
         dicts = list(map(vars, self._modules))
         attributes = self._attributes
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
+                or list(map(_version, attributes.tensors)) != attributes.versions
                 or not _unchanged(attributes, dicts + attributes.extras)):
             attributes = self._attributes = _read(dicts, attributes)
         return self._state, attributes.modes
@@ -133,6 +139,7 @@ def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
     objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
     extras = [hook for hook in hooks if hook] + list(objects.values())
     watched = dicts + extras
+    tensors = [v for d in dicts for v in d.values() if isinstance(v, torch.Tensor)]
     return _Attributes(
         list(map(len, watched)),
         list(_chain(map(dict.keys, watched))),
@@ -141,6 +148,8 @@ def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
         extras,
         hooks,
         list(map(len, hooks)),
+        tensors,
+        list(map(_version, tensors)),
     )
 
 
@@ -151,11 +160,15 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 def _modes_of(attributes: dict) -> tuple:
     """A submodule's part of the signature: its plain attributes; the ids of its hooks, per
-    hook dict; an instance `forward` (by identity); each plain object's plain attributes."""
+    hook dict; its plain tensor attributes (by identity and version: a trace bakes their values
+    in as constants); an instance `forward` (by identity); each plain object's plain
+    attributes."""
     modes = [item for item in attributes.items() if _is_plain(item[1])]
     for name in _HOOKS:
         if hooks := attributes.get(name):
             modes.append((name, tuple(hooks)))
+    modes.extend((name, ("tensor", id(value), _version(value)))
+                 for name, value in attributes.items() if isinstance(value, torch.Tensor))
     forward = attributes.get("forward")
     if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
         modes.append(("forward", id(forward)))
@@ -163,6 +176,15 @@ def _modes_of(attributes: dict) -> tuple:
         if _is_plain_object(value):
             modes.append((name, tuple(i for i in vars(value).items() if _is_plain(i[1]))))
     return tuple(modes)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (-1 for an inference tensor, which has none and cannot be
+    changed in place outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def _is_plain_object(value: object) -> bool:

@@ -196,9 +196,10 @@ class ReadsSettings(torch.nn.Module):
         self.settings = Settings()
         self.inner = torch.nn.Linear(4, 4)
         self.head = torch.nn.Linear(4, 2)
+        self.gain = torch.ones(4)  # a plain tensor attribute: a trace bakes it in
 
     def forward(self, x):
-        return self.head(torch.tanh(self.inner(x)) * self.settings.scale)
+        return self.head(torch.tanh(self.inner(x)) * self.settings.scale * self.gain)
 
 
 def _doubled(module, args, output):
@@ -213,6 +214,8 @@ CHANGES = {
     "a setting changed on a held object": lambda m: setattr(m.settings, "scale", 3.0),
     "a submodule's forward replaced on the instance":
         lambda m: setattr(m.inner, "forward", lambda x, inner=m.inner: inner.weight.sum() + x),
+    "a plain tensor attribute replaced": lambda m: setattr(m, "gain", torch.full((4,), 3.0)),
+    "a plain tensor attribute changed in place": lambda m: m.gain.mul_(3.0),
 }
 
 

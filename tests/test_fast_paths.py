@@ -124,8 +124,12 @@ def test_modes_are_the_same_object_until_a_plain_attribute_changes():
     state = ModuleState(module)
     modes = state.read()[1]
     assert state.read()[1] is modes
-    module.scale = torch.ones(())  # another tensor: read again, but the modes are equal
+    module.scale = torch.ones(())  # another tensor: a trace baked the old one's values in
+    assert state.read()[1] != modes
+    modes = state.read()[1]
     assert state.read()[1] is modes
+    module.scale.add_(1)  # changed in place: its version counter moved
+    assert state.read()[1] != modes
     module.scale = 2.0  # a tensor attribute replaced by a plain value
     assert ("scale", 2.0) in state.read()[1][0]
     modes = state.read()[1]
