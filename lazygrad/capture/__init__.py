@@ -30,6 +30,7 @@ from lazygrad.capture import (
     node_order,
     partition,
     peephole,
+    python_random,
     segment,
     symbols,
     tidy,
@@ -145,7 +146,7 @@ def capture(
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
-    with escapes.watching() as made:
+    with escapes.watching() as made, python_random.refusing_draws():
         with trace.unchanged(module):
             traced = trace.trace(fn, primals, dynamic, training, module)
     escapes.refuse_kept_tensors(made, traced.mode)  # once the module holds its own again
