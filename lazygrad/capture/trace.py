@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
@@ -368,6 +369,12 @@ def unchanged(module: torch.nn.Module) -> Iterator[None]:
                 container.update(items)
 
 
+def _contents(args: tuple, kwargs: dict) -> tuple:
+    """What the call's containers hold: their structure and the identity of every item."""
+    leaves, structure = pytree.tree_flatten((args, kwargs))
+    return structure, list(map(id, leaves))
+
+
 class _Original(torch.nn.Module):
     """Runs the module's original forward, bypassing its own hooks and its lazy forward.
 
@@ -418,8 +425,14 @@ class Functional:
         count = len(self.names)
         state = dict(zip(self.names, primals[:count]))
         args, kwargs = self.rebuild(list(primals[count:]))
+        given = _contents(args, kwargs)
         with eager_mode():
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
+        if _contents(args, kwargs) != given:
+            raise CaptureError(
+                "the forward changes a list or dict it was given (an auxiliary loss appended to "
+                "a list argument): ORT steps run no Python, so the caller's would stay as it was"
+            )
         outputs = self.tensors_of(result)
         self.aliasing, roots = aliases.aliasing(outputs, primals)
         self.numbers, sized = self.sized_of(result)
