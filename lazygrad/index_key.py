@@ -31,9 +31,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import os
-import site
 import sys
-import sysconfig
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -42,6 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from lazygrad import attach
+from lazygrad.code_globals import GlobalsRead, is_library
 
 # A module's `__dict__` entries that are not hashed as values: its tensors and submodules
 # (hashed as structure, or by the signature), hooks that never run in a forward, and lazygrad's
@@ -71,6 +70,7 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
             hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED
                          and not isinstance(v, attach.LazyForward)})
         hasher.feed(list(state_names))
+        hasher.feed(GlobalsRead(module).modes_now())
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
                      signature.state, signature.shapes, parts))
         hasher.feed_structure(signature.structure)
@@ -125,7 +125,7 @@ def _helper_files(module_names: Iterable[str]) -> list[tuple[str, str]]:
             path = _source_path(name)
         except Exception as error:  # a finder of the import system failing: not sure, no key
             raise Unhashable(f"cannot locate module {name}: {error}") from error
-        if path is None or _is_library(path):
+        if path is None or is_library(path):
             continue
         found[name] = _file_hash(path)
         package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
@@ -187,24 +187,6 @@ def _imported_names(path: str, package: str) -> tuple[str, ...]:
             names.append(base)
             names.extend(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
     return tuple(names)
-
-
-@functools.cache
-def _library_roots() -> tuple[str, ...]:
-    """Where installed packages and the standard library live: code there is named by its
-    package's version (installing another version is what changes it), not read."""
-    paths = sysconfig.get_paths()
-    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    roots.update(site.getsitepackages())
-    # lazygrad itself: its code is in the key through `disk_cache.versions`
-    roots.add(os.path.dirname(os.path.abspath(__file__)))
-    if site.ENABLE_USER_SITE and site.getusersitepackages():
-        roots.add(site.getusersitepackages())
-    return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
-
-
-def _is_library(path: str) -> bool:
-    return os.path.realpath(path).startswith(_library_roots())
 
 
 @functools.cache

@@ -10,7 +10,8 @@ which its forward reads at every call: a logit soft-cap or a sliding window chan
 config served the old graph, silently wrong, before). So are its tensor attributes that are
 neither parameters nor buffers (a mask or a scale kept as a plain attribute), by identity and
 version counter: a trace bakes their values into the graph, and one replaced or changed in
-place after a build served the old values, silently wrong, before.
+place after a build served the old values, silently wrong, before. And so are the plain module-level
+values the user's code reads (`code_globals.py`), compared by identity at every call.
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -37,6 +38,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from lazygrad.attach import LazyForward
+from lazygrad.code_globals import GlobalsRead, is_plain
 
 _changes = itertools.count()
 _structure_version = next(_changes)
@@ -68,6 +70,7 @@ class _Attributes(NamedTuple):
     hook_lengths: list[int]
     tensors: list[torch.Tensor]  # the submodules' plain tensor attributes
     versions: list[int]  # their version counters when read
+    global_values: list[object]  # the module-level values the code reads (`code_globals.py`)
 
 
 class ModuleState:
@@ -80,6 +83,7 @@ class ModuleState:
         self._tensors: list[torch.Tensor] = []
         self._state: dict[str, torch.Tensor] = {}
         self._attributes: _Attributes | None = None
+        self._globals: GlobalsRead | None = None
 
     def read(self) -> tuple[dict[str, torch.Tensor], tuple]:
         """Parameters and buffers by qualified name, and the plain attributes of every
@@ -89,10 +93,13 @@ class ModuleState:
             self._walk()
         dicts = list(map(vars, self._modules))
         attributes = self._attributes
+        global_values = self._globals.values()
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
                 or list(map(_version, attributes.tensors)) != attributes.versions
+                or not all(map(operator.is_, global_values, attributes.global_values))
                 or not _unchanged(attributes, dicts + attributes.extras)):
-            attributes = self._attributes = _read(dicts, attributes)
+            attributes = self._attributes = _read(dicts, attributes,
+                                                  self._globals, global_values)
         return self._state, attributes.modes
 
     def _current(self) -> bool:
@@ -101,6 +108,8 @@ class ModuleState:
     def _walk(self) -> None:
         self._version = _structure_version
         self._modules = list(self.module.modules())
+        self._globals = GlobalsRead(self.module)
+        self._attributes = None  # the watched globals may be others
         state: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
         self._tables, self._names, self._tensors = [], [], []
@@ -127,11 +136,12 @@ def _unchanged(attributes: _Attributes, dicts: list[dict]) -> bool:
 
 def plain_attributes(module: torch.nn.Module) -> tuple:
     """The module's own plain attributes (its flags, sizes and modes), as (name, value) pairs."""
-    return tuple(item for item in module.__dict__.items() if _is_plain(item[1]))
+    return tuple(item for item in module.__dict__.items() if is_plain(item[1]))
 
 
-def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
-    modes = tuple(map(_modes_of, dicts))
+def _read(dicts: list[dict], previous: _Attributes | None, globals_read: GlobalsRead,
+          global_values: list[object]) -> _Attributes:
+    modes = (*map(_modes_of, dicts), globals_read.modes(global_values))
     if previous is not None and modes == previous.modes:
         modes = previous.modes  # the same object while equal: the signature's fast path
     hooks = [hook for d in dicts for name in _HOOKS
@@ -150,6 +160,7 @@ def _read(dicts: list[dict], previous: _Attributes | None) -> _Attributes:
         list(map(len, hooks)),
         tensors,
         list(map(_version, tensors)),
+        global_values,
     )
 
 
@@ -163,7 +174,7 @@ def _modes_of(attributes: dict) -> tuple:
     hook dict; its plain tensor attributes (by identity and version: a trace bakes their values
     in as constants); an instance `forward` (by identity); each plain object's plain
     attributes."""
-    modes = [item for item in attributes.items() if _is_plain(item[1])]
+    modes = [item for item in attributes.items() if is_plain(item[1])]
     for name in _HOOKS:
         if hooks := attributes.get(name):
             modes.append((name, tuple(hooks)))
@@ -174,7 +185,7 @@ def _modes_of(attributes: dict) -> tuple:
         modes.append(("forward", id(forward)))
     for name, value in attributes.items():
         if _is_plain_object(value):
-            modes.append((name, tuple(i for i in vars(value).items() if _is_plain(i[1]))))
+            modes.append((name, tuple(i for i in vars(value).items() if is_plain(i[1]))))
     return tuple(modes)
 
 
@@ -197,10 +208,3 @@ def _is_plain_object(value: object) -> bool:
 
 
 _chain = itertools.chain.from_iterable
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
-
-
-def _is_plain(value: object) -> bool:
-    if type(value) in _PLAIN:
-        return True
-    return type(value) is tuple and all(type(v) in _PLAIN for v in value)

@@ -1,7 +1,8 @@
 """Outputs that share memory: a tensor and a view of it, two views of one intermediate, a view of
 an input, a parameter itself. AOTAutograd gives a cotangent only to outputs that alias nothing;
 lazygrad passes their roots through autograd and makes every output from its root in torch
-(`capture/aliases.py`); an output a custom autograd Function made is a root of its own. Before, `hidden, hidden[:, 0]` trained silently wrong through ORT
+(`capture/aliases.py`); an output a custom autograd Function made is a root of its own.
+Before, `hidden, hidden[:, 0]` trained silently wrong through ORT
 (the view's gradient was dropped), and two views of one tensor crashed in backward."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from conftest import assert_close, assert_grads_equal, ran_through_ort
 
 import lazygrad
+
 
 class GradientReversal(torch.autograd.Function):
     """Returns a view of its input with a backward of its own, as domain-adversarial models do."""

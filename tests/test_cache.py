@@ -237,3 +237,29 @@ def test_a_change_after_the_build_is_traced_again_not_served_stale(change):
             handle.remove()
     sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"{change} removed")
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+TEMPERATURE = 1.0  # a module-level value the forward below reads, as a training script's
+
+
+class ReadsAGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) / TEMPERATURE)
+
+
+def test_a_module_level_value_the_forward_reads_is_part_of_the_signature(monkeypatch):
+    """A trace makes `TEMPERATURE` a constant of the graph: reassigned at run time, it served
+    the old graph, silently wrong. Now the value is read at every call (`code_globals.py`)."""
+    torch.manual_seed(0)
+    eager = ReadsAGlobal()
+    lazy = lazy_copy(eager)
+    for step in range(5):
+        if step == 3:
+            monkeypatch.setitem(globals(), "TEMPERATURE", 0.25)
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)

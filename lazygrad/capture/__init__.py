@@ -146,9 +146,8 @@ def capture(
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
-    with escapes.watching() as made, python_random.refusing_draws():
-        with trace.unchanged(module):
-            traced = trace.trace(fn, primals, dynamic, training, module)
+    with escapes.watching() as made, python_random.refusing_draws(), trace.unchanged(module):
+        traced = trace.trace(fn, primals, dynamic, training, module)
     escapes.refuse_kept_tensors(made, traced.mode)  # once the module holds its own again
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it

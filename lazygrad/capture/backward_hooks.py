@@ -28,7 +28,8 @@ def refuse_backward_hooks(module: torch.nn.Module) -> None:
         shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
         raise CaptureError(f"backward hooks on submodules ({shown}) are called by autograd with "
                            "each step's gradients, which a traced graph would not do")
-    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
-        if any(True for _ in module.children()):
-            raise CaptureError("global module backward hooks are registered: autograd calls them "
-                               "for every submodule, which a traced graph would not do")
+    hooked_globally = torch_module._global_backward_hooks or \
+        torch_module._global_backward_pre_hooks
+    if hooked_globally and any(True for _ in module.children()):
+        raise CaptureError("global module backward hooks are registered: autograd calls them "
+                           "for every submodule, which a traced graph would not do")

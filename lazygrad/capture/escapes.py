@@ -41,9 +41,9 @@ def refuse_kept_tensors(made: dict[int, Callable[[], Any]], mode: object) -> Non
     if kept:
         holders = sorted({_holder(tensor, kept) for tensor in kept})
         raise CaptureError(
-            f"the forward keeps {len(kept)} traced tensor(s) after the call ({'; '.join(holders)}): "
-            "a hook or other user code stores them, so ORT steps would leave it holding tensors "
-            "that cannot be used where eager stores each step's"
+            f"the forward keeps {len(kept)} traced tensor(s) after the call "
+            f"({'; '.join(holders)}): a hook or other user code stores them, so ORT steps "
+            "would leave it holding tensors that cannot be used where eager stores each step's"
         )
 
 

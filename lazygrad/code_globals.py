@@ -1,0 +1,121 @@
+"""The module-level values a model's own code reads: part of its signature.
+
+A trace runs the forward's Python once, so a module-level flag or number that the code reads
+(`USE_AUX = step > 1000` set by the training script, `helpers.TEMPERATURE`) is a constant of the
+graph, and reassigned at run time it served the old graph, silently wrong (torch.compile guards
+on such globals). So the plain values (bool, int, float, str, None, dtype, tuples of them) that
+the user's code names are read at every call: the names in the code of every module class in the
+tree (its methods and their nested functions), of the functions that code names, and the
+attributes it names of the user's modules it names (`helpers.TEMPERATURE`). Installed code (torch,
+transformers, the standard library) is not read: its module-level values are the library's. A
+value that is not plain (a function, a class, a tensor) is not watched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import site
+import sysconfig
+import types
+from collections.abc import Iterator
+
+import torch
+
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+class GlobalsRead:
+    """Where each watched value lives (a namespace and a name) and how it is named."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        found: dict[tuple[int, str], tuple[dict, str, str]] = {}
+        for namespace, name, label in _read_by(module):
+            found.setdefault((id(namespace), name), (namespace, name, label))
+        self.namespaces = [namespace for namespace, _, _ in found.values()]
+        self.names = [name for _, name, _ in found.values()]
+        self.labels = [label for _, _, label in found.values()]
+
+    def values(self) -> list[object]:
+        """The watched values now (compared by identity with the last read's)."""
+        return [namespace.get(name, _MISSING) for namespace, name in
+                zip(self.namespaces, self.names)]
+
+    def modes_now(self) -> tuple:
+        return self.modes(self.values())
+
+    def modes(self, values: list[object]) -> tuple:
+        """(label, value) of the watched values that are plain."""
+        return tuple((label, value) for label, value in zip(self.labels, values)
+                     if is_plain(value))
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where installed packages and the standard library live: code there is named by its
+    package's version (installing another version is what changes it), not read."""
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots.update(site.getsitepackages())
+    # lazygrad itself: its code is in the index key through `disk_cache.versions`
+    roots.add(os.path.dirname(os.path.abspath(__file__)))
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        roots.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(root), "") for root in roots)
+
+
+def is_library(path: str) -> bool:
+    """Whether the file at `path` is installed code (a package, the standard library, lazygrad)."""
+    return os.path.realpath(path).startswith(_library_roots())
+
+
+def is_plain(value: object) -> bool:
+    if type(value) in _PLAIN:
+        return True
+    return type(value) is tuple and all(type(v) in _PLAIN for v in value)
+
+
+def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
+    functions = [function for klass in {type(m) for m in module.modules()}
+                 for function in _methods(klass)]
+    seen: set[types.CodeType] = set()
+    while functions:
+        function = functions.pop()
+        if function.__code__ in seen or is_library(function.__code__.co_filename):
+            continue
+        namespace = function.__globals__
+        names = set()
+        for code in _codes(function.__code__):
+            seen.add(code)
+            names.update(code.co_names)
+        for name in names:
+            value = namespace.get(name, _MISSING)
+            if is_plain(value):
+                yield namespace, name, f"{namespace.get('__name__')}.{name}"
+            elif isinstance(value, types.FunctionType):
+                functions.append(value)
+            elif isinstance(value, types.ModuleType) and getattr(value, "__file__", None) \
+                    and not is_library(value.__file__):
+                attributes = vars(value)
+                yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
+                            for attribute in names if is_plain(attributes.get(attribute)))
+
+
+def _methods(klass: type) -> Iterator[types.FunctionType]:
+    """The functions defined on the class and its bases, up to torch.nn.Module."""
+    for base in klass.__mro__:
+        if base is torch.nn.Module or base is object:
+            return
+        for value in vars(base).values():
+            function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            if isinstance(function, types.FunctionType):
+                yield function
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """The code object and those nested in it (lambdas, comprehensions, inner functions)."""
+    yield code
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _codes(constant)
