@@ -3,12 +3,13 @@
 A trace runs the forward's Python once, so a module-level flag or number that the code reads
 (`USE_AUX = step > 1000` set by the training script, `helpers.TEMPERATURE`) is a constant of the
 graph, and reassigned at run time it served the old graph, silently wrong (torch.compile guards
-on such globals). So the plain values (bool, int, float, str, None, dtype, tuples of them) that
-the user's code names are read at every call: the names in the code of every module class in the
+on such globals). So the plain values (bool, int, float, str, None, dtype, tuples of them) and
+the tensors (by identity and version counter: class weights changed in place) that the user's
+code names are read at every call: the names in the code of every module class in the
 tree (its methods and their nested functions), of the functions that code names, and the
 attributes it names of the user's modules it names (`helpers.TEMPERATURE`). Installed code (torch,
-transformers, the standard library) is not read: its module-level values are the library's. A
-value that is not plain (a function, a class, a tensor) is not watched.
+transformers, the standard library) is not read: its module-level values are the library's.
+Other values (a function, a class) are not watched.
 """
 
 from __future__ import annotations
@@ -33,22 +34,30 @@ class GlobalsRead:
         found: dict[tuple[int, str], tuple[dict, str, str]] = {}
         for namespace, name, label in _read_by(module):
             found.setdefault((id(namespace), name), (namespace, name, label))
-        self.namespaces = [namespace for namespace, _, _ in found.values()]
-        self.names = [name for _, name, _ in found.values()]
-        self.labels = [label for _, _, label in found.values()]
+        # In label order: the same in every process (the disk index hashes them in this order).
+        watched = sorted(found.values(), key=lambda entry: entry[2])
+        self.namespaces = [namespace for namespace, _, _ in watched]
+        self.names = [name for _, name, _ in watched]
+        self.labels = [label for _, _, label in watched]
 
     def values(self) -> list[object]:
         """The watched values now (compared by identity with the last read's)."""
         return [namespace.get(name, _MISSING) for namespace, name in
                 zip(self.namespaces, self.names)]
 
-    def modes_now(self) -> tuple:
-        return self.modes(self.values())
+    def items(self) -> list[tuple[str, object]]:
+        """(label, value) of the watched values now, tensors as themselves (the disk index
+        hashes their contents)."""
+        return [(label, value) for label, value in zip(self.labels, self.values())
+                if _watched(value)]
 
     def modes(self, values: list[object]) -> tuple:
-        """(label, value) of the watched values that are plain."""
-        return tuple((label, value) for label, value in zip(self.labels, values)
-                     if is_plain(value))
+        """(label, value) of the watched values that are plain; a tensor by identity and
+        version counter (a trace bakes its values in)."""
+        return tuple(
+            (label, ("tensor", id(value), version_of(value)) if isinstance(value, torch.Tensor)
+             else value)
+            for label, value in zip(self.labels, values) if _watched(value))
 
 
 @functools.cache
@@ -68,6 +77,19 @@ def _library_roots() -> tuple[str, ...]:
 def is_library(path: str) -> bool:
     """Whether the file at `path` is installed code (a package, the standard library, lazygrad)."""
     return os.path.realpath(path).startswith(_library_roots())
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (-1 for an inference tensor, which has none and cannot be
+    changed in place outside inference mode)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
+def _watched(value: object) -> bool:
+    return is_plain(value) or isinstance(value, torch.Tensor)
 
 
 def is_plain(value: object) -> bool:
@@ -91,7 +113,7 @@ def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
             names.update(code.co_names)
         for name in names:
             value = namespace.get(name, _MISSING)
-            if is_plain(value):
+            if _watched(value):
                 yield namespace, name, f"{namespace.get('__name__')}.{name}"
             elif isinstance(value, types.FunctionType):
                 functions.append(value)
@@ -99,7 +121,7 @@ def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
                     and not is_library(value.__file__):
                 attributes = vars(value)
                 yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
-                            for attribute in names if is_plain(attributes.get(attribute)))
+                            for attribute in names if _watched(attributes.get(attribute)))
 
 
 def _methods(klass: type) -> Iterator[types.FunctionType]:

@@ -70,7 +70,7 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
             hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED
                          and not isinstance(v, attach.LazyForward)})
         hasher.feed(list(state_names))
-        hasher.feed(GlobalsRead(module).modes_now())
+        hasher.feed(GlobalsRead(module).items())
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
                      signature.state, signature.shapes, parts))
         hasher.feed_structure(signature.structure)

@@ -38,7 +38,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from lazygrad.attach import LazyForward
-from lazygrad.code_globals import GlobalsRead, is_plain
+from lazygrad.code_globals import GlobalsRead, is_plain, version_of
 
 _changes = itertools.count()
 _structure_version = next(_changes)
@@ -68,7 +68,7 @@ class _Attributes(NamedTuple):
     extras: list[dict]
     hooks: list[dict]
     hook_lengths: list[int]
-    tensors: list[torch.Tensor]  # the submodules' plain tensor attributes
+    tensors: list[torch.Tensor]  # the submodules' plain tensor attributes, the globals read
     versions: list[int]  # their version counters when read
     global_values: list[object]  # the module-level values the code reads (`code_globals.py`)
 
@@ -95,7 +95,7 @@ class ModuleState:
         attributes = self._attributes
         global_values = self._globals.values()
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
-                or list(map(_version, attributes.tensors)) != attributes.versions
+                or list(map(version_of, attributes.tensors)) != attributes.versions
                 or not all(map(operator.is_, global_values, attributes.global_values))
                 or not _unchanged(attributes, dicts + attributes.extras)):
             attributes = self._attributes = _read(dicts, attributes,
@@ -150,6 +150,7 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
     extras = [hook for hook in hooks if hook] + list(objects.values())
     watched = dicts + extras
     tensors = [v for d in dicts for v in d.values() if isinstance(v, torch.Tensor)]
+    tensors += [v for v in global_values if isinstance(v, torch.Tensor)]
     return _Attributes(
         list(map(len, watched)),
         list(_chain(map(dict.keys, watched))),
@@ -159,7 +160,7 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
         hooks,
         list(map(len, hooks)),
         tensors,
-        list(map(_version, tensors)),
+        list(map(version_of, tensors)),
         global_values,
     )
 
@@ -178,7 +179,7 @@ def _modes_of(attributes: dict) -> tuple:
     for name in _HOOKS:
         if hooks := attributes.get(name):
             modes.append((name, tuple(hooks)))
-    modes.extend((name, ("tensor", id(value), _version(value)))
+    modes.extend((name, ("tensor", id(value), version_of(value)))
                  for name, value in attributes.items() if isinstance(value, torch.Tensor))
     forward = attributes.get("forward")
     if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
@@ -187,15 +188,6 @@ def _modes_of(attributes: dict) -> tuple:
         if _is_plain_object(value):
             modes.append((name, tuple(i for i in vars(value).items() if is_plain(i[1]))))
     return tuple(modes)
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter (-1 for an inference tensor, which has none and cannot be
-    changed in place outside inference mode)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
 
 
 def _is_plain_object(value: object) -> bool:

@@ -263,3 +263,33 @@ def test_a_module_level_value_the_forward_reads_is_part_of_the_signature(monkeyp
         sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
+
+
+CLASS_WEIGHTS = torch.ones(3)  # a module-level tensor the forward reads: a constant of a graph
+
+
+class WeightedLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.nn.functional.log_softmax(self.linear(x), -1) * CLASS_WEIGHTS
+
+
+def test_a_module_level_tensor_the_forward_reads_changed_in_place_is_seen():
+    """Class weights rebalanced in place by the training script served the old graph, 0.51
+    off in a gradient; the tensor's version counter is part of the signature now."""
+    torch.manual_seed(0)
+    eager = WeightedLoss()
+    lazy = lazy_copy(eager)
+    saved = CLASS_WEIGHTS.clone()
+    try:
+        for step in range(5):
+            if step == 3:
+                CLASS_WEIGHTS.copy_(torch.tensor([1.0, 5.0, 0.1]))
+            sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    finally:
+        CLASS_WEIGHTS.copy_(saved)
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
