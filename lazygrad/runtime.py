@@ -435,19 +435,20 @@ class Runtime:
             indexed = self._pair_from_index(signature, entry, mask)
             if indexed is not None:
                 return indexed
+            # The trace swaps fake tensors into the module it traces: it traces a copy of the
+            # module's structure, which another thread's eager call does not read (one that
+            # traced the module itself, waiting, made that call fail on a trace tensor).
             structure = None
-            if not (self.options.wait_for_builds or self.options.strict):
-                with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
-                    structure = _structure_copy(self.module)
-            if structure is None:
+            with contextlib.suppress(Exception):  # a module deepcopy cannot copy waits
+                structure = _structure_copy(self.module)
+            if structure is None or self.options.wait_for_builds or self.options.strict:
                 built = builder.run(lambda: self._build(
-                    signature, entry, mask, primals, cotangents, device, self.module, False,
-                    eager_outputs))
+                    signature, entry, mask, primals, cotangents, device,
+                    self.module if structure is None else structure, False, eager_outputs))
                 self._add(key, built)
                 return built.pair
             # The build reads this call's tensors after the caller has moved on (an optimizer
-            # updates parameters in place), and traces a copy of the module's structure (the
-            # trace swaps fake tensors into the module it traces, which this thread still runs).
+            # updates parameters in place): it gets copies.
             snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
             given = None if cotangents is None else tuple(
                 None if c is None else c.detach().clone() for c in cotangents)
