@@ -59,13 +59,10 @@ def _mode_of(tensor: torch.Tensor) -> object:
 
 def _holder(tensor: object, kept: list[object]) -> str:
     """A short description of what references `tensor` (a dict key, a list), `kept` aside."""
-    for referrer in gc.get_referrers(tensor):
-        if referrer is kept:
-            continue
+    referrers = [r for r in gc.get_referrers(tensor) if r is not kept]
+    for referrer in referrers:
         if isinstance(referrer, dict):
             keys = [key for key, value in referrer.items() if value is tensor]
             if keys:
                 return f"a dict, under {keys[0]!r}"
-        if isinstance(referrer, list):
-            return "a list"
-    return "an object"
+    return f"a {type(referrers[0]).__name__}" if referrers else "an object"
