@@ -16,6 +16,7 @@ import torch
 RUNTIME = "_lazygrad_runtime"
 OPTIONS = "_lazygrad_options"
 ORIGINAL_FORWARD = "_lazygrad_original_forward"
+INSTANCE_FORWARD = "_lazygrad_instance_forward"
 
 
 class LazyForward:
@@ -29,9 +30,31 @@ class LazyForward:
 
 
 def install(module: torch.nn.Module, runtime: Any) -> None:
-    """Route the instance's calls through `runtime`."""
+    """Route the instance's calls through `runtime`. A `forward` the user put on the instance
+    (a patched forward, accelerate's hooks) is kept: it is what the calls run (`forward_of`)."""
+    own = module.__dict__.get("forward")
+    if own is not None and not isinstance(own, LazyForward):
+        module.__dict__[INSTANCE_FORWARD] = own
     module.__dict__[RUNTIME] = runtime
     module.__dict__["forward"] = LazyForward(runtime)
+
+
+def forward_of(module: torch.nn.Module) -> Any:
+    """The forward the module's calls run, as f(module, *args, **kwargs)."""
+    return _forward
+
+
+def _forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A forward the user put on the instance, read from the module called (a copy of the
+    module runs its copy: a bound method is bound to the copy), else the class's original
+    forward. Lazygrad's own forward replaced a patched one silently before (a submodule made a
+    part ran its class's forward)."""
+    own = module.__dict__.get(INSTANCE_FORWARD)
+    if own is None:
+        own = module.__dict__.get("forward")
+    if own is None or isinstance(own, LazyForward):
+        return original_forward(type(module))(module, *args, **kwargs)
+    return own(*args, **kwargs)
 
 
 def installed(module: torch.nn.Module) -> Any | None:

@@ -122,7 +122,7 @@ class Runtime:
         self._init_caches()
 
     def _init_caches(self) -> None:
-        self.forward_fn = attach.original_forward(type(self.module))
+        self.forward_fn = attach.forward_of(self.module)
         self._state = ModuleState(self.module)
         self._signatures = LastSignature()
         self._lock = threading.RLock()
@@ -736,7 +736,8 @@ class Runtime:
         except Exception as eager_error:
             with self._lock:
                 known = list(self._entries.keys())
-            explained = explain_bad_input(eager_error, call, self.forward_fn, known,
+            explained = explain_bad_input(eager_error, call,
+                                          attach.original_forward(type(self.module)), known,
                                           self._state.read()[0])
             if explained is None:
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -206,6 +207,10 @@ def _doubled(module, args, output):
     return output * 2
 
 
+def _summed_weight(self, x):
+    return self.weight.sum() + x
+
+
 CHANGES = {
     "a forward hook added on a submodule":
         lambda m: m.inner.register_forward_hook(_doubled),
@@ -213,7 +218,7 @@ CHANGES = {
         lambda m: m.head.register_forward_pre_hook(lambda module, args: (args[0] + 1,)),
     "a setting changed on a held object": lambda m: setattr(m.settings, "scale", 3.0),
     "a submodule's forward replaced on the instance":
-        lambda m: setattr(m.inner, "forward", lambda x, inner=m.inner: inner.weight.sum() + x),
+        lambda m: setattr(m.inner, "forward", types.MethodType(_summed_weight, m.inner)),
     "a plain tensor attribute replaced": lambda m: setattr(m, "gain", torch.full((4,), 3.0)),
     "a plain tensor attribute changed in place": lambda m: m.gain.mul_(3.0),
 }
@@ -293,3 +298,21 @@ def test_a_module_level_tensor_the_forward_reads_changed_in_place_is_seen():
         CLASS_WEIGHTS.copy_(saved)
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
+
+
+@pytest.mark.falls_back
+def test_a_forward_closing_over_the_real_module_is_never_traced_with_its_weights_baked_in():
+    """An instance forward that reads a submodule through a closure reads the real parameters
+    while a copy of the module's structure is traced: they reached the graph as constants, with
+    no gradient (the weight's gradient was missing, silently). Now that submodule runs eagerly,
+    with the reason, and the rest of the model through ORT."""
+    torch.manual_seed(0)
+    eager = ReadsSettings()
+    lazy = lazy_copy(eager)
+    for m in (eager, lazy):
+        m.inner.forward = lambda x, inner=m.inner: inner.weight.sum() + x
+    with pytest.warns(lazygrad.FallbackWarning, match="held outside the module's tree"):
+        for step in range(4):
+            sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    parts = lazygrad.stats(lazy).parts
+    assert parts["inner"].fallbacks == 1 and parts["head"].hits > 0

@@ -146,6 +146,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "aot_function": ("torch._functorch.aot_autograd", "aot_function"),
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
     "ExportedProgram": ("torch.export", "ExportedProgram"),
     "ModuleCallEntry": ("torch.export.exported_program", "ModuleCallEntry"),
     "ModuleCallSignature": ("torch.export.exported_program", "ModuleCallSignature"),

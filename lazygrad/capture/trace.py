@@ -178,6 +178,7 @@ def trace(
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
         _refuse_data_dependent_sizes(graph)
+        _refuse_state_read_around_the_swap(graph, module)
         untranslatable = _untranslatable(graph)
         guards = size_guards(mode.shape_env, where)
         if training and "joint" in got:
@@ -262,6 +263,27 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
                 f"{node.target} is computed from data (`nonzero()`, boolean-mask indexing, "
                 "`.item()` used as a size), which one graph cannot capture",
                 submodule_of(node),
+            )
+
+
+def _refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+    """The trace swaps trace tensors into the module it traces; a parameter or buffer that
+    still reached the graph as a constant was read around that swap, from a module object the
+    code holds outside the traced tree (an instance `forward` closing over a submodule, a
+    global naming the model, while a copy of the tree is traced). Baked in, its value would
+    never change and it would get no gradient."""
+    state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+             if t.numel()}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(node.target)(gm)
+        if isinstance(value, torch.Tensor) and value.numel() and not isinstance(
+                value, private.FakeTensor) and value.untyped_storage().data_ptr() in state:
+            raise CaptureError(
+                "the forward reads a parameter or buffer through a module object held outside "
+                "the module's tree (a closure or a global naming it), which a trace would bake "
+                "in as a constant without its gradient"
             )
 
 
