@@ -148,7 +148,9 @@ def capture(
     training = mask is not None and any(mask)
     with escapes.watching() as made, python_random.refusing_draws(), trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
-    escapes.refuse_kept_tensors(made, traced.mode)  # once the module holds its own again
+    # Once the module holds its own tensors again:
+    escapes.refuse_kept_tensors(made, traced.mode)
+    trace.refuse_state_read_around_the_swap(traced.joint, module)
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
     for _, code in fn.sized:

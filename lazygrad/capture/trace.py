@@ -178,7 +178,6 @@ def trace(
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
         _refuse_data_dependent_sizes(graph)
-        _refuse_state_read_around_the_swap(graph, module)
         untranslatable = _untranslatable(graph)
         guards = size_guards(mode.shape_env, where)
         if training and "joint" in got:
@@ -266,12 +265,13 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
             )
 
 
-def _refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
+def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
     """The trace swaps trace tensors into the module it traces; a parameter or buffer that
     still reached the graph as a constant was read around that swap, from a module object the
     code holds outside the traced tree (an instance `forward` closing over a submodule, a
     global naming the model, while a copy of the tree is traced). Baked in, its value would
-    never change and it would get no gradient."""
+    never change and it would get no gradient. Called once the module holds its own tensors
+    again (`unchanged`: with tied weights the swap may leave trace tensors in it until then)."""
     state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
              if t.numel()}
     for node in gm.graph.nodes:
