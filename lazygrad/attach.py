@@ -31,7 +31,7 @@ class LazyForward:
 
 def install(module: torch.nn.Module, runtime: Any) -> None:
     """Route the instance's calls through `runtime`. A `forward` the user put on the instance
-    (a patched forward, accelerate's hooks) is kept: it is what the calls run (`forward_of`)."""
+    (a patched forward, accelerate's hooks) is kept: it is what the calls run (`run_forward`)."""
     own = module.__dict__.get("forward")
     if own is not None and not isinstance(own, LazyForward):
         module.__dict__[INSTANCE_FORWARD] = own
@@ -39,16 +39,11 @@ def install(module: torch.nn.Module, runtime: Any) -> None:
     module.__dict__["forward"] = LazyForward(runtime)
 
 
-def forward_of(module: torch.nn.Module) -> Any:
-    """The forward the module's calls run, as f(module, *args, **kwargs)."""
-    return _forward
-
-
-def _forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A forward the user put on the instance, read from the module called (a copy of the
-    module runs its copy: a bound method is bound to the copy), else the class's original
-    forward. Lazygrad's own forward replaced a patched one silently before (a submodule made a
-    part ran its class's forward)."""
+def run_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward the module's calls run: a forward the user put on the instance, read from
+    the module called (a copy of the module runs its copy: a bound method is bound to the
+    copy), else the class's original forward. Lazygrad's own forward replaced a patched one
+    silently before (a submodule made a part ran its class's forward)."""
     own = module.__dict__.get(INSTANCE_FORWARD)
     if own is None:
         own = module.__dict__.get("forward")

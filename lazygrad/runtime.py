@@ -122,7 +122,7 @@ class Runtime:
         self._init_caches()
 
     def _init_caches(self) -> None:
-        self.forward_fn = attach.forward_of(self.module)
+        self.forward_fn = attach.run_forward
         self._state = ModuleState(self.module)
         self._signatures = LastSignature()
         self._lock = threading.RLock()

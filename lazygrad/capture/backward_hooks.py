@@ -30,6 +30,6 @@ def refuse_backward_hooks(module: torch.nn.Module) -> None:
                            "each step's gradients, which a traced graph would not do")
     hooked_globally = torch_module._global_backward_hooks or \
         torch_module._global_backward_pre_hooks
-    if hooked_globally and any(True for _ in module.children()):
+    if hooked_globally and next(module.children(), None) is not None:
         raise CaptureError("global module backward hooks are registered: autograd calls them "
                            "for every submodule, which a traced graph would not do")
