@@ -9,6 +9,7 @@ untouched, and the class is not changed. An instance of a class decorated with
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -28,6 +29,13 @@ class LazyForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.runtime(args, kwargs)
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The parameters of the forward the calls run, not `(*args, **kwargs)`: callers read
+        them (Hugging Face's Trainer drops every batch column the forward does not name, so the
+        model got none; generation checks `cache_position`)."""
+        return inspect.signature(forward_run_by(self.runtime.module))
+
 
 def install(module: torch.nn.Module, runtime: Any) -> None:
     """Route the instance's calls through `runtime`. A `forward` the user put on the instance
@@ -39,17 +47,22 @@ def install(module: torch.nn.Module, runtime: Any) -> None:
     module.__dict__["forward"] = LazyForward(runtime)
 
 
-def run_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward the module's calls run: a forward the user put on the instance, read from
-    the module called (a copy of the module runs its copy: a bound method is bound to the
+def forward_run_by(module: torch.nn.Module) -> Any:
+    """The forward the module's calls run, bound: a forward the user put on the instance, read
+    from the module called (a copy of the module runs its copy: a bound method is bound to the
     copy), else the class's original forward. Lazygrad's own forward replaced a patched one
     silently before (a submodule made a part ran its class's forward)."""
     own = module.__dict__.get(INSTANCE_FORWARD)
     if own is None:
         own = module.__dict__.get("forward")
     if own is None or isinstance(own, LazyForward):
-        return original_forward(type(module))(module, *args, **kwargs)
-    return own(*args, **kwargs)
+        return original_forward(type(module)).__get__(module)
+    return own
+
+
+def run_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run the forward the module's calls run (`forward_run_by`)."""
+    return forward_run_by(module)(*args, **kwargs)
 
 
 def installed(module: torch.nn.Module) -> Any | None:

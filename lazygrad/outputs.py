@@ -17,13 +17,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from lazygrad.signature import flatten
+from lazygrad.signature import VALUES, flatten
 
-# Non-tensor leaves returned as they were: values that cannot hide a tensor.
-PLAIN = (
-    type(None), bool, int, float, complex, str, bytes, type, torch.dtype, torch.device,
-    torch.Size,
-)
 _NUMBERS = (bool, int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -122,7 +117,7 @@ class OutputTemplate:
 def _held(value: Any, seen: set[int]) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (*PLAIN, *_SYMBOLIC)):
+    if isinstance(value, (*VALUES, *_SYMBOLIC)):
         return []
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in _held(item, seen)]
@@ -157,7 +152,7 @@ def _rebuilt(value: Any, tensors: Iterator[Any], numbers: _Numbers) -> Any:
         return next(tensors)
     if isinstance(value, _NUMBERS):
         return numbers.met(value)
-    if isinstance(value, PLAIN):
+    if isinstance(value, VALUES):  # returned as they were: they cannot hide a tensor
         return value
     if isinstance(value, list):
         return [_rebuilt(item, tensors, numbers) for item in value]

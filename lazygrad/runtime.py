@@ -51,7 +51,7 @@ from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, sized_numbers, tensors_of
 from lazygrad.parts import parts_of
 from lazygrad.session import GraphRunError
-from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call
+from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call, opaque_argument
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
 from lazygrad.verify import VerificationError, verify, verify_like_eager
@@ -220,6 +220,15 @@ class Runtime:
         if any(t.is_nested or t.layout != torch.strided for t in call.tensors):
             # A nested or sparse tensor (a module's inference fast path hands its layers
             # one): no graph takes it, so the call runs as it would without lazygrad.
+            with self._lock:
+                self.stats.eager_steps += 1
+            return self._eager(args, kwargs)
+        opaque = opaque_argument(call, args, kwargs)
+        if opaque is not None:
+            self._say_once(
+                f"{type(self.module).__name__}: its calls with {opaque} run in eager PyTorch: "
+                "a graph would hold what that object holds as constants, and would not make the "
+                "changes the forward makes to it")
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
@@ -796,16 +805,22 @@ class Runtime:
         """Calls in a row change the module's own plain attributes (a counter): each call is
         a signature of its own and runs eagerly; say so once, with the attributes' names."""
         names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
-        reason = (f"{type(self.module).__name__}: each call changes the module's own attributes "
-                  f"({', '.join(names)}), which graphs are specialised on, so its calls run in "
-                  "eager PyTorch")
+        self._say_once(f"{type(self.module).__name__}: each call changes the module's own "
+                       f"attributes ({', '.join(names)}), which graphs are specialised on, so "
+                       "its calls run in eager PyTorch")
+
+    def _say_once(self, reason: str) -> None:
+        """A fallback that no signature holds (the calls it covers run eagerly before one is
+        made): counted and warned once per reason; strict mode raises."""
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
         with self._lock:
+            if reason in self.stats.reasons:
+                return
             self.stats.fallbacks += 1
             self.stats.reasons.append(reason)
         warnings.warn(f"lazygrad falls back to eager PyTorch: {reason}", FallbackWarning,
-                      stacklevel=6)
+                      stacklevel=7)
 
     def _culprits(self, where: str | None) -> list[str]:
         """The submodules (qualified names) of the same class and the same plain attributes as

@@ -12,14 +12,26 @@ breaks them gets a graph for its exact sizes (`with_shapes`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import operator
 import threading
+import types
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+
+# Non-tensor argument leaves a graph may be specialised on: values, and code (a function is
+# kept by identity). Any other object (a Hugging Face `DynamicCache`, an array, a module) can
+# hold tensors the trace would bake in as constants, and state the forward changes (a cache
+# appends each call's keys) that ORT's steps would never change: `opaque_argument`.
+VALUES = (
+    type(None), bool, int, float, complex, str, bytes, type, enum.Enum, slice, type(Ellipsis),
+    torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format,
+    types.FunctionType, types.BuiltinFunctionType,
+)
 
 
 class TensorMeta(NamedTuple):
@@ -96,6 +108,22 @@ def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
     leaves, structure = flatten((args, dict(sorted(kwargs.items()))))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     return FlatCall(leaves, structure, positions)
+
+
+def opaque_argument(call: FlatCall, args: tuple, kwargs: dict) -> str | None:
+    """Names the first argument leaf that is neither a tensor nor one of `VALUES` ("argument
+    past_key_values (a DynamicCache)"), or None. Such a call cannot be captured: the trace
+    would bake what the object holds into the graph and change the caller's object with
+    trace tensors, so it is refused before any trace runs."""
+    if len(call.tensor_positions) == len(call.leaves):
+        return None
+    for leaf in call.leaves:
+        if not isinstance(leaf, (torch.Tensor, *VALUES)):
+            names = [name for name, value in kwargs.items() if value is leaf]
+            names += [str(index) for index, value in enumerate(args) if value is leaf]
+            where = f"argument {names[0]}" if names else "an argument's element"
+            return f"{where} (a {type(leaf).__name__})"
+    return None
 
 
 @functools.cache
