@@ -48,14 +48,14 @@ def install(module: torch.nn.Module, runtime: Any) -> None:
 
 
 def forward_run_by(module: torch.nn.Module) -> Any:
-    """The forward the module's calls run, bound: a forward the user put on the instance, read
-    from the module called (a copy of the module runs its copy: a bound method is bound to the
-    copy), else the class's original forward. Lazygrad's own forward replaced a patched one
-    silently before (a submodule made a part ran its class's forward)."""
+    """The forward the module's calls run, bound: the forward the user had put on the instance
+    when it was made lazy, read from the module called (a copy of the module runs its copy: a
+    bound method is bound to the copy), else the class's original forward. Lazygrad's own
+    forward replaced a patched one silently before (a submodule made a part ran its class's
+    forward). A forward put on the instance later wraps lazygrad's (accelerate's autocast
+    does): it is never what the runtime runs, which recursed without end."""
     own = module.__dict__.get(INSTANCE_FORWARD)
     if own is None:
-        own = module.__dict__.get("forward")
-    if own is None or isinstance(own, LazyForward):
         return original_forward(type(module)).__get__(module)
     return own
 

@@ -99,3 +99,23 @@ def test_decoder_lm_with_padding_runs_through_ort_and_trains_like_eager(name):
     assert stats.builds == len(COMPOSITIONS), "one graph pair per grad mask"
     if name == "gpt2":
         assert lazy.lm_head.weight is lazy.transformer.wte.weight
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generate_with_its_key_value_cache_gives_eagers_tokens(name):
+    """`generate` hands the forward a `DynamicCache` that each call appends to. A trace baked
+    the cache's tensors in and left trace tensors in the caller's cache (a crash at the second
+    token); calls with it now run eagerly, said once."""
+    factory, _ = MODELS[name]
+    torch.manual_seed(0)
+    eager = factory().eval()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    settings = {"max_new_tokens": 6, "do_sample": False, "attention_mask": torch.ones_like(prompt)}
+    expected = eager.generate(prompt, **settings)
+    with pytest.warns(lazygrad.FallbackWarning, match=r"\(a DynamicCache\)"):
+        first = lazy.generate(prompt, **settings)
+    assert first.tolist() == expected.tolist()
+    assert lazy.generate(prompt, **settings).tolist() == expected.tolist()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 1 and stats.builds == 0

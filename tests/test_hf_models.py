@@ -164,3 +164,36 @@ def test_mistral_with_its_sliding_window_cache_runs_whole_through_ort():
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
     assert stats.hits >= 2
+
+
+def test_trainer_feeds_a_lazy_model_the_batch_columns_and_trains_it_like_eager(tmp_path):
+    """Hugging Face's Trainer keeps the batch columns the model's forward names (inspected):
+    with a lazy instance's `(*args, **kwargs)` it kept none, and the model got no input ids."""
+    pytest.importorskip("accelerate")  # the Trainer's own requirement
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=3, max_position_embeddings=32,
+    )
+    eager = transformers.BertForSequenceClassification(config)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    rows = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 100, (16,), generator=rows),
+             "attention_mask": (torch.arange(16) < 10 + i % 6).long(),
+             "labels": torch.tensor(i % 3)} for i in range(32)]
+    results = []
+    for model, folder in ((eager, "eager"), (lazy, "lazy")):
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path / folder), per_device_train_batch_size=8,
+            num_train_epochs=1, learning_rate=1e-3, gradient_accumulation_steps=2,
+            report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data)
+        results.append((trainer.train().training_loss, trainer.evaluate(data)["eval_loss"]))
+    (train_eager, eval_eager), (train_lazy, eval_lazy) = results
+    assert abs(train_lazy - train_eager) <= 1e-5 * abs(train_eager)
+    assert abs(eval_lazy - eval_eager) <= 1e-5 * abs(eval_eager)
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: n)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits > 0, str(stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 from collections.abc import Callable
@@ -385,3 +386,88 @@ def test_changing_an_output_that_eager_saved_raises_eagers_error_at_the_first_ca
     grown += 1  # exp's backward reads this output: eager refuses the backward
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         grown.sum().backward()
+
+
+class Memory:
+    """A plain object the caller hands in, read and changed by the forward (as a key/value
+    cache is)."""
+
+    def __init__(self) -> None:
+        self.state = torch.zeros(4, 8)
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = torch.nn.Linear(16, 8)
+
+    def forward(self, x, memory: Memory, scale: float = 1.0):
+        memory.state = torch.tanh(self.cell(torch.cat([x, memory.state.detach()], -1))) * scale
+        return memory.state
+
+
+def test_calls_with_an_object_argument_run_eagerly_with_one_warning_and_change_the_object():
+    """A trace baked the object's tensors into the graph and left trace tensors in the
+    caller's object (Hugging Face's generate crashed at its second token)."""
+    torch.manual_seed(0)
+    eager = Recurrent()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    memories = Memory(), Memory()
+    with pytest.warns(lazygrad.FallbackWarning, match=r"argument memory \(a Memory\)") as seen:
+        for step in range(3):
+            x = torch.randn(4, 8)
+            for model, memory in zip((lazy, eager), memories):
+                model.zero_grad(set_to_none=True)
+                model(x, memory=memory, scale=0.5).square().sum().backward()
+            assert_close(memories[0].state.detach(), memories[1].state.detach(), f"step {step}")
+            assert_grads_equal(lazy, eager, f"step {step}")
+    assert len([w for w in seen if issubclass(w.category, lazygrad.FallbackWarning)]) == 1
+    assert type(memories[0].state) is torch.Tensor
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.eager_steps, stats.builds) == (1, 3, 0)
+
+
+class Keyworded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, input_ids, attention_mask=None, *, labels=None):
+        return self.linear(input_ids)
+
+
+@lazygrad.lazy
+class LazyKeyworded(Keyworded):
+    def forward(self, input_ids, attention_mask=None, *, labels=None):
+        return super().forward(input_ids, attention_mask, labels=labels)
+
+
+def test_a_lazy_forward_shows_the_parameters_of_the_forward_it_runs():
+    """Callers read them: Hugging Face's Trainer keeps only the batch columns the forward
+    names, and an instance's `(*args, **kwargs)` left it none."""
+    expected = inspect.signature(Keyworded().forward)
+    assert inspect.signature(lazygrad.lazy(Keyworded()).forward) == expected
+    assert inspect.signature(LazyKeyworded().forward) == expected
+    patched = Keyworded()
+    patched.forward = lambda input_ids, extra=0: input_ids
+    assert list(inspect.signature(lazygrad.lazy(patched).forward).parameters) == \
+        ["input_ids", "extra"]
+
+
+def test_a_forward_wrapped_after_the_model_was_made_lazy_runs_through_ort():
+    """Accelerate's mixed precision wraps `model.forward` in autocast on the instance: the
+    runtime then ran that wrapper, which called the runtime again, without end."""
+    torch.manual_seed(0)
+    eager = ThreeHeadMLP()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    lazy.forward = torch.autocast("cpu", enabled=False)(lazy.forward)
+    assert list(inspect.signature(lazy.forward).parameters) == ["x"]
+    for step in range(3):
+        x = torch.randn(4, 16)
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+            a, b, c = model(x)
+            (a.sum() + b.square().mean()).backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2
