@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lazygrad.capture.private import traced_by_torch
+
 RUNTIME = "_lazygrad_runtime"
 OPTIONS = "_lazygrad_options"
 ORIGINAL_FORWARD = "_lazygrad_original_forward"
@@ -27,6 +29,8 @@ class LazyForward:
         self.runtime = runtime
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if traced_by_torch():
+            return run_forward(self.runtime.module, *args, **kwargs)
         return self.runtime(args, kwargs)
 
     @property
@@ -35,6 +39,12 @@ class LazyForward:
         them (Hugging Face's Trainer drops every batch column the forward does not name, so the
         model got none; generation checks `cache_position`)."""
         return inspect.signature(forward_run_by(self.runtime.module))
+
+    @property
+    def __code__(self) -> Any:
+        """The code of the forward the calls run: torch.export (and the ONNX exporter on it)
+        reads `module.forward.__code__` before it traces the call as a plain module's."""
+        return forward_run_by(self.runtime.module).__code__
 
 
 def install(module: torch.nn.Module, runtime: Any) -> None:

@@ -471,3 +471,66 @@ def test_a_forward_wrapped_after_the_model_was_made_lazy_runs_through_ort():
         assert_grads_equal(lazy, eager, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2
+
+
+def _trained_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A lazy model that has run through ORT, and an eager copy of its weights."""
+    torch.manual_seed(0)
+    lazy = lazygrad.lazy(ThreeHeadMLP())
+    for _ in range(2):
+        a, b, _ = lazy(torch.randn(4, 16))
+        (a.sum() + b.square().mean()).backward()
+    assert lazygrad.stats(lazy).hits == 1
+    return lazy, _reference(lazy)
+
+
+def test_torch_func_transforms_see_the_plain_module():
+    """grad, vmap and jacrev (per-sample gradients, meta-learning) differentiate the module's
+    PyTorch forward: its autograd Function raised under them, through ORT."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    lazy, eager = _trained_pair()
+    x = torch.randn(6, 16)
+
+    def per_sample_grads(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, xi):
+            a, b, _ = functional_call(model, p, (xi.unsqueeze(0),))
+            return a.sum() + b.square().mean()
+
+        return vmap(grad(loss), in_dims=(None, 0))(params, x)
+
+    got, expected = per_sample_grads(lazy), per_sample_grads(eager)
+    for name in expected:
+        assert_close(got[name], expected[name], name)
+    assert_close(jacrev(lambda v: lazy(v)[0])(x[0]), jacrev(lambda v: eager(v)[0])(x[0]),
+                 "jacobian")
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
+@pytest.mark.parametrize("how", ["torch.export", "torch.onnx.export", "torch.jit.trace"])
+def test_exporters_export_the_plain_module(how, tmp_path):
+    """A trained lazy model exported for serving: torch's tracers see its PyTorch forward (the
+    exporters failed on lazygrad's instance forward, or traced its ORT call)."""
+    import onnxruntime
+
+    lazy, eager = _trained_pair()
+    lazy.eval(), eager.eval()
+    x = torch.randn(3, 16)
+    expected = eager(x)
+    if how == "torch.export":
+        got = torch.export.export(lazy, (x,)).module()(x)
+    elif how == "torch.jit.trace":
+        got = torch.jit.trace(lazy, (x,))(x)
+    else:
+        path = str(tmp_path / "model.onnx")
+        torch.onnx.export(lazy, (x,), path, dynamo=True)
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        got = [torch.from_numpy(o) for o in
+               session.run(None, {session.get_inputs()[0].name: x.numpy()})]
+    for index, (g, e) in enumerate(zip(got, expected)):
+        assert_close(g.detach(), e.detach(), f"output {index}")
+    a, b, _ = lazy.train()(torch.randn(4, 16))  # and it still runs through ORT
+    (a.sum() + b.square().mean()).backward()
+    assert lazygrad.stats(lazy).hits == 2

@@ -42,6 +42,16 @@ def _is_compiling_on_this_thread() -> bool:
 _is_compiling = torch.compiler.is_compiling
 
 
+def traced_by_torch() -> bool:
+    """Whether torch itself is tracing or transforming this call: torch.compile, torch.export
+    and the ONNX exporter built on it, jit tracing (the TorchScript ONNX exporter), or a
+    torch.func transform (grad, vmap, jacrev). A lazy module then runs as its plain self, so
+    torch sees, differentiates or exports its PyTorch forward: run through ORT, torch.func
+    raised and the exporters failed on lazygrad's own call."""
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
+            or torch.jit.is_tracing() or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
     """Inside, on this thread only: `torch.compiler.is_compiling()` is True, so models skip
