@@ -57,7 +57,6 @@ class LazyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        _refuse_double_backward()
         saved = list(ctx.saved_tensors)
         # From here the step holds the only references: it frees the stash as it goes.
         release_saved_tensors(ctx)
@@ -100,10 +99,3 @@ def behind_probe(probe: Probe, outputs: list[torch.Tensor]) -> tuple[torch.Tenso
     set_versions([o for o, kept in zip(probed, same) if kept], versions)
     return probed
 
-
-def _refuse_double_backward() -> None:
-    if torch.is_grad_enabled():
-        raise NotImplementedError(
-            "lazygrad: double backward (create_graph=True) through a lazy module is not "
-            "supported; the backward runs in ONNX Runtime and records no autograd graph"
-        )

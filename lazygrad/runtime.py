@@ -310,8 +310,10 @@ class Runtime:
             return found
 
         def eager_backward(primals: list[torch.Tensor], cotangents: tuple,
-                           generator: torch.Tensor | None) -> list[torch.Tensor | None]:
-            return self._eager_backward(signature, entry, primals, cotangents, generator)
+                           generator: torch.Tensor | None,
+                           create_graph: bool = False) -> list[torch.Tensor | None]:
+            return self._eager_backward(signature, entry, primals, cotangents, generator,
+                                        create_graph)
 
         def on_mask(mask: Mask) -> None:
             with self._lock:
@@ -707,13 +709,19 @@ class Runtime:
 
     def _eager_backward(self, signature: Signature, entry: SignatureEntry,
                         primals: list[torch.Tensor], cotangents: tuple,
-                        generator: torch.Tensor | None) -> list[torch.Tensor | None]:
+                        generator: torch.Tensor | None,
+                        create_graph: bool = False) -> list[torch.Tensor | None]:
         """A step's gradients by eager PyTorch: its forward again from the saved inputs (the
         random draws replayed from the generator state they were drawn from: they are drawn as
-        eager draws them, `capture/draws.py`), then autograd with the step's cotangents."""
+        eager draws them, `capture/draws.py`), then autograd with the step's cotangents.
+
+        `create_graph` (a backward that is differentiable itself: a gradient penalty, MAML):
+        the forward is run again from the primals themselves, not detached copies, so the
+        gradients' own graph reaches the parameters and inputs, as eager's does."""
         forward = Functional(self.module, self.forward_fn, entry.state_names, entry.call.rebuild,
                              tensors_of, None)
-        inputs = [p.detach().requires_grad_(p.requires_grad) for p in primals]
+        inputs = list(primals) if create_graph else [
+            p.detach().requires_grad_(p.requires_grad) for p in primals]
         wanted = [i for i, p in enumerate(inputs) if p.requires_grad]
         device = _common_device(entry.state_names, primals)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
@@ -724,7 +732,7 @@ class Runtime:
             given = [(r, c) for r, c in zip(roots, cotangents) if c is not None]
             grads = torch.autograd.grad(
                 [o for o, _ in given], [inputs[i] for i in wanted], [c for _, c in given],
-                allow_unused=True,
+                allow_unused=True, create_graph=create_graph,
             )
         with self._lock:
             self.stats.eager_steps += 1

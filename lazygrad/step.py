@@ -20,8 +20,9 @@ from lazygrad.graph_pair import GraphPair
 
 # (mask, primals, cotangents) -> the pair of that mask, found or built; None if it cannot be
 PairFor = Callable[[tuple[bool, ...], list[torch.Tensor], tuple], GraphPair | None]
-# (primals, cotangents, generator state the draws came from) -> the gradients, by eager PyTorch
-EagerBackward = Callable[[list[torch.Tensor], tuple, torch.Tensor | None],
+# (primals, cotangents, generator state the draws came from, create_graph) -> the gradients,
+# by eager PyTorch
+EagerBackward = Callable[[list[torch.Tensor], tuple, torch.Tensor | None, bool],
                          list[torch.Tensor | None]]
 
 
@@ -86,13 +87,16 @@ class Step:
         root_mask = tuple(g is not None for g in grads)
         if not any(root_mask):
             return [None] * count
+        if torch.is_grad_enabled():
+            # create_graph=True: ORT's backward records no graph of its own, so eager's does.
+            return self._eager_backward(primals, grads, self._generator_state, True)
         if self.policy == "all":
             return self._backward_all(primals, draws, kept, grads, root_mask)
         mask = self.pair.aliasing.output_mask(root_mask)
         self._on_mask(mask)
         pair = self._pair_for(mask, primals, grads)
         if pair is None:
-            return self._eager_backward(primals, grads, self._generator_state)
+            return self._eager_backward(primals, grads, self._generator_state, False)
         if self.policy == "recompute":
             return pair.backward(primals, draws, [], grads, self.device)
         if pair is self.pair:
@@ -114,7 +118,7 @@ class Step:
         """ORTModule's way: the one all-outputs graph, zeros for roots without a gradient."""
         pair = self._pair_for(self.pair.mask, primals, grads)
         if pair is None:
-            return self._eager_backward(primals, grads, self._generator_state)
+            return self._eager_backward(primals, grads, self._generator_state, False)
         results = self._results(kept)
         kept.clear()
         cotangents = [
