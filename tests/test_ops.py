@@ -3,9 +3,9 @@
 Their backward ops either translate to ONNX, or are lowered at trace time into ops that do
 (`capture/lowerings.py`: convolution_backward, plain and transposed; average pooling with
 ceil_mode and divisor_override; adaptive pooling; diagonal_scatter) or traced as another
-path of the op (weight_norm, EmbeddingBag). Each op's options that take
-another path are results of the same model (one build per op). Embedding with padding_idx:
-tests/test_capture.py.
+path of the op (weight_norm, EmbeddingBag, replication padding, grid_sample). Each op's
+options that take another path are results of the same model (one build per op). Embedding
+with padding_idx: tests/test_capture.py.
 """
 
 from __future__ import annotations
@@ -55,8 +55,31 @@ def _max_min_reductions(h):
                 tied.min(dim=-1, keepdim=True).values)
 
 
+def _padded(h):
+    """Replication padding's backward has no translation (traced as torch decomposes it,
+    `lowerings.as_torch_decomposes`); reflection's decomposes in the exporter."""
+    return _cat(F.pad(h, (1, 2, 2, 1), mode="replicate"), F.pad(h, (2, 1, 1, 2), mode="reflect"),
+                F.pad(h.flatten(2), (3, 1), mode="replicate"),
+                F.pad(h, (1, 1, 1, 1), mode="circular"),
+                F.pad(h[:, None], (1, 1, 1, 1, 1, 0), mode="replicate"))
+
+
+def _sampled(h):
+    """grid_sample (spatial transformers, deformable sampling): its backward has no
+    translation (traced as torch decomposes it), in each mode and padding mode."""
+    theta = torch.tensor([[0.9, 0.2, 0.1], [-0.2, 0.8, -0.1]]).expand(len(h), 2, 3)
+    grid = F.affine_grid(theta, list(h.shape), align_corners=False) * 1.2
+    return _cat(*(F.grid_sample(h, grid, mode=mode, padding_mode=padding, align_corners=corners)
+                  for mode, padding, corners in (("bilinear", "zeros", False),
+                                                 ("bilinear", "border", True),
+                                                 ("nearest", "reflection", False),
+                                                 ("bicubic", "zeros", False))))
+
+
 OPS = {
     "max_pool": _max_pool,
+    "padding": _padded,
+    "grid_sample": _sampled,
     "avg_pool": _avg_pool,
     "adaptive_avg_pool": lambda h: F.adaptive_avg_pool2d(h, (2, 3)),
     "adaptive_max_pool": lambda h: F.adaptive_max_pool2d(_ties(h), (3, 5)),

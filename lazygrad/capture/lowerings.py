@@ -14,7 +14,8 @@ into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime f
 into a matrix product (`matrix_vector`); and an unstable sort into the stable one
 (`stable_sort`). Like torch._decomp's tables these compute the op itself, not a gradient of
 anything, and every graph built with them is checked against its FX graph (verify.py) before it
-serves a step.
+serves a step. Replication padding and grid sampling are traced as torch._decomp's own
+decompositions (`as_torch_decomposes`), whose gradients translate.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from lazygrad.capture import private
 
 aten = torch.ops.aten
 
@@ -398,6 +401,19 @@ def adaptive_avg_pool3d(input: torch.Tensor, output_size: list[int]) -> torch.Te
     return aten._adaptive_avg_pool3d.default(input, output_size)
 
 
+def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
+    """`op` as torch's own decomposition (torch._decomp) computes it: replication padding and
+    grid sampling by indexing (`_unsafe_index`, with clamped or interpolated positions), whose
+    gradient, an accumulating index_put, translates (`accumulate_rows`); the ops' own backward
+    ops (`replication_pad2d_backward`, `grid_sampler_2d_backward`) have no ONNX translation,
+    and the model ran in parts."""
+
+    def kernel(*args: object) -> torch.Tensor:
+        return private.decomposition_table[op](*args)
+
+    return kernel
+
+
 # Ops traced as what they compute (`private.composite_kernels`), above autograd: the backward
 # ops of their own kernels (fused, or restrided) have no ONNX translation.
 COMPOSITE = {
@@ -405,6 +421,9 @@ COMPOSITE = {
     aten.embedding_bag.padding_idx: embedding_bag,
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
     aten.adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    **{op: as_torch_decomposes(op) for op in (
+        aten.replication_pad1d.default, aten.replication_pad2d.default,
+        aten.replication_pad3d.default, aten.grid_sampler_2d.default)},
 }
 
 TABLE = {

@@ -103,14 +103,20 @@ def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
     """Inside, each op (an OpOverload) is decomposed above autograd by the kernel given, so its
     gradient comes from the formulas of the ops the kernel is written with (a fused op's own
     backward op may have no ONNX translation). Python-dispatcher kernels, so only traces see
-    them; removed on the way out. One trace at a time holds this (as `compiling`)."""
-    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    them; removed on the way out. One trace at a time holds this (as `compiling`).
+
+    An op that is composite already is given the kernel at its own key; one with an autograd
+    kernel of its own (replication padding) at the Autograd key, which that kernel would take
+    first."""
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    keys = {op: composite if op.has_kernel_for_dispatch_key(composite)
+            else torch._C.DispatchKey.Autograd for op in kernels}
     for op, kernel in kernels.items():
-        op.py_impl(key)(kernel)
+        op.py_impl(keys[op])(kernel)
     try:
         yield
     finally:
-        for op in kernels:
+        for op, key in keys.items():
             op.py_kernels.pop(key, None)
             op._dispatch_cache.clear()
 
@@ -177,6 +183,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "free_unbacked_symbols": ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols"),
     "statically_known_true": ("torch.fx.experimental.symbolic_shapes", "statically_known_true"),
     "PythonPrinter": ("torch.utils._sympy.printers", "PythonPrinter"),
+    "decomposition_table": ("torch._decomp", "decomposition_table"),
     "onnx_constants": ("torch.onnx._internal.exporter._constants", None),
     "onnx_core": ("torch.onnx._internal.exporter._core", None),
     "onnx_decomp": ("torch.onnx._internal.exporter._decomp", None),
