@@ -14,6 +14,7 @@ Other values (a function, a class) are not watched.
 
 from __future__ import annotations
 
+import dis
 import functools
 import os
 import site
@@ -107,11 +108,12 @@ def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
         if function.__code__ in seen or is_library(function.__code__.co_filename):
             continue
         namespace = function.__globals__
-        names = set()
+        names, global_names = set(), set()
         for code in _codes(function.__code__):
             seen.add(code)
             names.update(code.co_names)
-        for name in names:
+            global_names.update(_globals_loaded(code))
+        for name in global_names:
             value = namespace.get(name, _MISSING)
             if _watched(value):
                 yield namespace, name, f"{namespace.get('__name__')}.{name}"
@@ -133,6 +135,15 @@ def _methods(klass: type) -> Iterator[types.FunctionType]:
             function = getattr(value, "__func__", value)  # staticmethod, classmethod
             if isinstance(function, types.FunctionType):
                 yield function
+
+
+def _globals_loaded(code: types.CodeType) -> Iterator[str]:
+    """The global names the code reads. Not all of `co_names`, which holds attribute names
+    too: a script's global tensor named as an attribute the model reads (`mask` beside
+    `self.mask`, a notebook's `a` beside `self.a`) was watched, and each step's new tensor
+    made a new signature, so the model never ran through ORT."""
+    return (instruction.argval for instruction in dis.get_instructions(code)
+            if instruction.opname == "LOAD_GLOBAL")
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

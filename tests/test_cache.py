@@ -300,6 +300,33 @@ def test_a_module_level_tensor_the_forward_reads_changed_in_place_is_seen():
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
 
 
+gate = torch.ones(4)  # a script's (a notebook's) global, named as the model's attribute
+
+
+class Gated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("gate", torch.ones(4))
+
+    def forward(self, x):
+        return self.linear(x) * self.gate
+
+
+def test_a_global_named_as_an_attribute_the_model_reads_is_not_watched(monkeypatch):
+    """`self.gate` names an attribute, not the module-level `gate`: watched as a global, a
+    script's new tensor under that name at every step made every step a new signature, and the
+    model never ran through ORT."""
+    torch.manual_seed(0)
+    eager = Gated()
+    lazy = lazy_copy(eager)
+    for step in range(4):
+        monkeypatch.setitem(globals(), "gate", torch.randn(4))
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.exports, stats.hits, stats.fallbacks) == (1, 3, 0)
+
+
 @pytest.mark.falls_back
 def test_a_forward_closing_over_the_real_module_is_never_traced_with_its_weights_baked_in():
     """An instance forward that reads a submodule through a closure reads the real parameters
