@@ -187,7 +187,8 @@ def _decode(data: bytes) -> Graphs | None:
         grads_for=header["grads_for"],
         grad_reach=header["grad_reach"],
         draws=[
-            Draw(d["kind"], tuple(d["shape"]), d["dtype"], tuple(d["params"]))
+            Draw(d["kind"], tuple(d["shape"]), d["dtype"], tuple(d["params"]),
+                 tuple(d["strides"]))
             for d in header["draws"]
         ],
         locations={k: tuple(v) for k, v in header["locations"].items()},

@@ -2,11 +2,12 @@
 
 A graph captured for one call serves another call when the two agree on the modules' plain
 attributes (train/eval flags among them), grad mode, the autocast state, the structure of the
-arguments, every tensor's dtype, rank, device, requires_grad and which of its sizes are 0 or 1,
-every non-tensor argument's value, and the parameters' dtypes, shapes, devices and
-requires_grad. Other sizes are not part of the key: graphs are traced with symbolic sizes, and
-the conditions the trace put on them are checked per call (`GraphPair.holds_for`); a call that
-breaks them gets a graph for its exact sizes (`with_shapes`).
+arguments, every tensor's dtype, rank, device, requires_grad, which of its sizes are 0 or 1
+and its layout (contiguous, or the order of its strides), every non-tensor argument's value,
+and the parameters' dtypes, shapes, devices and requires_grad. Other sizes are not part of
+the key: graphs are traced with symbolic sizes, and the conditions the trace put on them are
+checked per call (`GraphPair.holds_for`); a call that breaks them gets a graph for its exact
+sizes (`with_shapes`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class TensorMeta(NamedTuple):
     # Sizes 0 and 1 are traced as constants (a size-1 dimension broadcasts), others as symbols:
     # which dimensions are 0 or 1 is part of the key (-1 stands for "2 or more").
     small_sizes: tuple[int, ...]
+    # () if contiguous, else the dimensions from the largest stride to the smallest: eager's
+    # random draws fill tensors laid out like the input (Dropout after a channels-last
+    # convolution), so a graph's draws hold for the layouts it was traced with (`Draw`).
+    layout: tuple[int, ...] = ()
 
 
 # A state tensor's part of the key: (dtype, shape, device, requires_grad), read in one C call.
@@ -164,7 +169,13 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
         tensor.device,
         tensor.requires_grad,
         tuple(size if size < 2 else -1 for size in tensor.shape),
+        () if tensor.is_contiguous() else _stride_order(tensor),
     )
+
+
+def _stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    strides = tensor.stride()
+    return tuple(sorted(range(len(strides)), key=lambda dim: -strides[dim]))
 
 
 def signature_of(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> Signature:

@@ -38,8 +38,17 @@ def _more_distributions(h):
             + h * torch.empty_like(h).exponential_(2.0))[:, torch.randperm(h.shape[1])]
 
 
+def _of_transposed(h):
+    """Draws eager makes in a transposed tensor's memory order (`empty_like` keeps its layout):
+    Dropout, `rand_like` and `bernoulli` of a transposed tensor."""
+    t = h.t()
+    return (torch.nn.functional.dropout(t, 0.3) + torch.rand_like(t)
+            + torch.bernoulli(torch.sigmoid(t))).t()
+
+
 RANDOM = {
     "bernoulli": _bernoulli,
+    "of_transposed": _of_transposed,
     "rand_randn": _rand,
     "multinomial": _multinomial,
     "uniform_normal_exponential_randperm": _more_distributions,
@@ -170,3 +179,58 @@ def test_a_draw_from_pythons_or_numpys_random_in_the_forward_is_never_baked_in(g
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.fallbacks == 0
     assert sum(part.hits for part in stats.parts.values()) > 0
+
+
+def test_a_transformer_layers_dropout_draws_what_eager_draws():
+    """MultiheadAttention's batch-first output is a transposed view, so eager's Dropout draws
+    its mask in the transposed order; drawn contiguous, every ORT step of an
+    nn.TransformerEncoderLayer in training dropped other units than eager (0.56 off in its
+    output), with no fallback."""
+    torch.manual_seed(0)
+    eager = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    for step in range(3):
+        x, cotangent = torch.randn(3, 6, 16), torch.randn(3, 6, 16)
+        outputs = []
+        for model in (lazy, eager):
+            torch.manual_seed(10 + step)
+            model.zero_grad(set_to_none=True)
+            out = model(x, src_key_padding_mask=padding)
+            (out * cotangent).sum().backward()  # not a sum of squares: constant after a norm
+            outputs.append(out)
+        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort([outputs[0]]) and lazygrad.stats(lazy).fallbacks == 0
+
+
+class ConvDropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.conv(x), 0.3)
+
+
+def test_dropout_of_a_channels_last_activation_draws_in_its_layout():
+    """A channels-last input makes the convolution's output channels last, and eager's
+    Dropout mask is drawn in that order: the input's layout is part of the signature, so
+    each layout has its graph, with its draws."""
+    torch.manual_seed(0)
+    eager = ConvDropout()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step, layout in enumerate([torch.contiguous_format, torch.channels_last] * 2):
+        x = torch.randn(2, 3, 5, 6).contiguous(memory_format=layout)
+        outputs = []
+        for model in (lazy, eager):
+            torch.manual_seed(10 + step)
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            out.square().sum().backward()
+            outputs.append(out)
+        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)

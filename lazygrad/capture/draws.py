@@ -40,35 +40,42 @@ aten = torch.ops.aten
 @dataclasses.dataclass(frozen=True)
 class Draw:
     """One random input of a (symbolic) shape and dtype, made by one eager call:
-    `kind` names it (a key of `_SAMPLERS`), `params` are its scalar arguments."""
+    `kind` names it (a key of `_FILLS`), `params` are its scalar arguments, `strides` are
+    those of the tensor eager's kernel fills (Python source, as the shape).
+
+    Eager fills in memory order, and the tensor it fills is laid out like the one it is made
+    from (`empty_like`): Dropout of a transposed tensor (MultiheadAttention's batch-first
+    output, so every nn.TransformerEncoderLayer) draws its mask in the transposed order. A
+    contiguous draw put other values at each position: every ORT step dropped other units
+    than eager, with no fallback. So the draw fills a tensor of those strides, then hands on
+    its values contiguous, as ORT reads them."""
 
     kind: str
     shape: tuple[str, ...]  # size expressions (Python source over the size symbols)
     dtype: str  # name of the torch dtype, e.g. "float32"
     params: tuple[float, ...] = ()
+    strides: tuple[str, ...] = ()  # () for a new contiguous tensor
 
     def sample(self, env: dict[str, int], device: torch.device) -> torch.Tensor:
         shape = [int(symbols.evaluate(size, env)) for size in self.shape]
-        return _SAMPLERS[self.kind](shape, getattr(torch, self.dtype), device, *self.params)
+        dtype = getattr(torch, self.dtype)
+        if self.kind == "randperm":
+            return torch.randperm(shape[0], dtype=dtype, device=device)
+        strides = [int(symbols.evaluate(stride, env)) for stride in self.strides]
+        tensor = (torch.empty_strided(shape, strides, dtype=dtype, device=device) if strides
+                  else torch.empty(shape, dtype=dtype, device=device))
+        return _FILLS[self.kind](tensor, *self.params).contiguous()
 
 
-def _empty(shape, dtype, device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-_SAMPLERS = {
-    "rand": lambda shape, dtype, device: torch.rand(shape, dtype=dtype, device=device),
-    "randn": lambda shape, dtype, device: torch.randn(shape, dtype=dtype, device=device),
-    "uniform": lambda shape, dtype, device, low, high: _empty(shape, dtype, device).uniform_(
-        low, high),
-    "normal": lambda shape, dtype, device, mean, std: _empty(shape, dtype, device).normal_(
-        mean, std),
-    "exponential": lambda shape, dtype, device, rate: _empty(shape, dtype, device).exponential_(
-        rate),
-    "bernoulli": lambda shape, dtype, device, p: _empty(shape, dtype, device).bernoulli_(p),
-    "randint": lambda shape, dtype, device, low, high: torch.randint(
-        int(low), int(high), shape, dtype=dtype, device=device),
-    "randperm": lambda shape, dtype, device: torch.randperm(shape[0], dtype=dtype, device=device),
+# In place, as eager's random factories fill a new tensor (`rand` is `empty().uniform_(0, 1)`).
+_FILLS = {
+    "rand": lambda tensor: tensor.uniform_(0, 1),
+    "randn": lambda tensor: tensor.normal_(0, 1),
+    "uniform": lambda tensor, low, high: tensor.uniform_(low, high),
+    "normal": lambda tensor, mean, std: tensor.normal_(mean, std),
+    "exponential": lambda tensor, rate: tensor.exponential_(rate),
+    "bernoulli": lambda tensor, p: tensor.bernoulli_(p),
+    "randint": lambda tensor, low, high: tensor.random_(int(low), int(high)),
 }
 
 # op -> (draw kind, its parameters from the op's arguments): the node becomes the draw itself
@@ -156,19 +163,21 @@ def _draw_of(node: fx.Node) -> tuple[Draw, torch.Tensor]:
     value = node.meta["val"]
     if node.target in _DIRECT:
         kind, params = _DIRECT[node.target]
-        return Draw(kind, _shape(value), _dtype_name(value), params(node.args, node.kwargs)), value
+        return Draw(kind, _shape(value), _dtype_name(value), params(node.args, node.kwargs),
+                    _strides(value)), value
     if node.target is aten.native_dropout.default:
         return _dropout_draw(node)
     if node.target in _BERNOULLI_OF_TENSOR:
-        return Draw("rand", _shape(value), _dtype_name(value)), value
+        return Draw("rand", _shape(value), _dtype_name(value), (), _strides(value)), value
     if node.target is aten.multinomial.default:
         return _multinomial_draw(node)
     if node.target in _NORMAL_OF_TENSOR:
         std = node.args[1] if node.target is aten.normal.Tensor_float else 1.0
-        return Draw("normal", _shape(value), _dtype_name(value), (0.0, std)), value
+        return Draw("normal", _shape(value), _dtype_name(value), (0.0, std),
+                    _strides(value)), value
     raise CaptureError(
         f"random op {node.target} cannot be drawn from torch's generator outside the graph "
-        f"(lazygrad draws {', '.join(sorted(_SAMPLERS))}, dropout and multinomial)"
+        f"(lazygrad draws {', '.join(sorted(_FILLS))}, randperm, dropout and multinomial)"
     )
 
 
@@ -177,7 +186,8 @@ def _dropout_draw(node: fx.Node) -> tuple[Draw, torch.Tensor]:
     value = source.meta["val"]
     if not train:  # eval-mode native_dropout draws nothing; it never reaches a trace as random
         raise CaptureError("native_dropout with train=False in a trace")
-    return Draw("bernoulli", _shape(value), _dtype_name(value), (1.0 - p,)), value
+    return Draw("bernoulli", _shape(value), _dtype_name(value), (1.0 - p,),
+                _strides(torch.empty_like(value))), value
 
 
 def _replace_dropout(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
@@ -220,7 +230,8 @@ def _multinomial_draw(node: fx.Node) -> tuple[Draw, torch.Tensor]:
     if _with_replacement(node):  # one float64 uniform per sample, row after row
         noise = node.meta["val"].to(torch.float64)
         return Draw("rand", _shape(noise), "float64"), noise
-    return Draw("exponential", _shape(value), _dtype_name(value), (1.0,)), value
+    return Draw("exponential", _shape(value), _dtype_name(value), (1.0,),
+                _strides(torch.empty_like(value))), value
 
 
 def _replace_multinomial(graph: fx.Graph, node: fx.Node, noise: fx.Node) -> None:
@@ -273,6 +284,12 @@ def _placeholder(graph: fx.Graph, after: fx.Node | None, name: str, value: torch
 
 def _shape(value: torch.Tensor) -> tuple[str, ...]:
     return tuple(symbols.to_code(size) for size in value.shape)
+
+
+def _strides(value: torch.Tensor) -> tuple[str, ...]:
+    """The strides of the tensor eager's kernel fills (its output, or `empty_like` of the
+    tensor it is made from, a fake tensor of the trace like every `value` here)."""
+    return tuple(symbols.to_code(stride) for stride in value.stride())
 
 
 def _dtype_name(value: torch.Tensor) -> str:
