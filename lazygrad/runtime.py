@@ -487,10 +487,7 @@ class Runtime:
                 if mask is not None and entry.plan is None:
                     entry.plan = mask
                 return
-        if isinstance(failure, BuildFailed):
-            self._give_up(signature, str(failure), failure.where)
-        else:  # a bug of ours, never a wrong step: that signature stays eager, with the reason
-            self._give_up(signature, f"the build failed: {type(failure).__name__}: {failure}")
+        self._give_up(signature, str(failure), getattr(failure, "where", None))
 
     def _add(self, key: tuple[Signature, Mask | None], built: PairEntry,
              traced: bool = True) -> None:
@@ -533,6 +530,10 @@ class Runtime:
                                                device, module, background, eager_outputs)
         except (CaptureError, VerificationError, GraphRunError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None)) from error
+        except Exception as error:  # a bug of ours: the signature stays eager, never a crash
+            # in the step that waited for the build (torch failing to run a captured graph in
+            # the check raised from the user's backward)
+            raise BuildFailed(f"the build failed: {type(error).__name__}: {error}") from error
         stats = EntryStats(
             mask=mask,
             forward=entry.id,

@@ -269,6 +269,27 @@ def test_a_failed_background_build_leaves_the_signature_eager_with_the_reason(mo
     assert stats.fallbacks == 1 and stats.builds == 0 and stats.eager_steps == 2
 
 
+def test_an_unexpected_error_in_a_waited_for_build_is_a_fallback_not_a_crash(monkeypatch):
+    """torch failing to run a captured graph in the check (a bug of lazygrad's) raised from
+    the user's backward when the step waited for the build; it is a fallback with the reason,
+    as in a background build."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("batch2 must be a 3D tensor")
+
+    monkeypatch.setattr(runtime, "verify", failing)
+    torch.manual_seed(0)
+    eager = Pair()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x = torch.randn(4, 5)
+    loss = lambda o: o[0].square().sum()  # noqa: E731
+    with pytest.warns(lazygrad.FallbackWarning, match="the build failed: RuntimeError: batch2"):
+        for step in range(3):
+            _step(lazy, eager, x, loss, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 1 and stats.builds == 0
+
+
 def test_threads_calling_during_a_build_get_eager_results_and_one_build(monkeypatch):
     gate = Gate(monkeypatch)
     lazy, eager = _pair()
