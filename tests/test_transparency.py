@@ -6,6 +6,7 @@ import copy
 import inspect
 import io
 import pickle
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -534,3 +535,26 @@ def test_exporters_export_the_plain_module(how, tmp_path):
     a, b, _ = lazy.train()(torch.randn(4, 16))  # and it still runs through ORT
     (a.sum() + b.square().mean()).backward()
     assert lazygrad.stats(lazy).hits == 2
+
+
+class WithLazyPart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = lazygrad.lazy(ThreeHeadMLP())
+        self.head = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x)[1])
+
+
+def test_fx_symbolic_tracing_traces_a_lazy_submodule_as_plain_code():
+    """FX (torchvision's feature extractors) calls a lazy submodule with proxies: it is traced
+    as its PyTorch forward, not counted as a fallback on a proxy argument."""
+    torch.manual_seed(0)
+    model = WithLazyPart()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(3, 16)
+    assert_close(traced(x).detach(), model(x).detach(), "output")
+    assert lazygrad.stats(model.body).fallbacks == 0

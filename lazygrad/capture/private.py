@@ -44,12 +44,14 @@ _is_compiling = torch.compiler.is_compiling
 
 def traced_by_torch() -> bool:
     """Whether torch itself is tracing or transforming this call: torch.compile, torch.export
-    and the ONNX exporter built on it, jit tracing (the TorchScript ONNX exporter), or a
-    torch.func transform (grad, vmap, jacrev). A lazy module then runs as its plain self, so
-    torch sees, differentiates or exports its PyTorch forward: run through ORT, torch.func
-    raised and the exporters failed on lazygrad's own call."""
+    and the ONNX exporter built on it, jit tracing (the TorchScript ONNX exporter), FX's
+    symbolic tracing (torchvision's feature extractors), or a torch.func transform (grad,
+    vmap, jacrev). A lazy module then runs as its plain self, so torch sees, differentiates or
+    exports its PyTorch forward: run through ORT, torch.func raised and the exporters failed
+    on lazygrad's own call."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
-            or torch.jit.is_tracing() or torch._C._functorch.peek_interpreter_stack() is not None)
+            or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+            or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 @contextlib.contextmanager
