@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
-import torch.utils._pytree as pytree
 
-from lazygrad.signature import FlatCall, Signature, TensorMeta, tensor_meta
+from lazygrad.signature import FlatCall, Signature, TensorMeta, leaf_names, tensor_meta
 
 
 class LazygradError(RuntimeError):
@@ -42,7 +40,13 @@ def explain_bad_input(
     torch.float64", followed by eager's message. None when nothing differs (eager's error, which
     already names the problem, is then raised as it is) or the type cannot take a message.
     """
-    names = _leaf_names(call, forward)
+    try:
+        args, kwargs = call.rebuild(call.tensors)
+    except Exception:  # a structure that cannot be rebuilt: tensors by their number
+        names = [f"tensor argument {i}" for i in range(len(call.tensors))]
+    else:
+        every = leaf_names(args, kwargs, forward)
+        names = [every[position] for position in call.tensor_positions]
     problems: list[str] = []
     got = [tensor_meta(t) for t in call.tensors]
     candidates = [
@@ -86,31 +90,3 @@ def _differences(
                     f"got {getattr(have, what)}"
                 )
     return problems
-
-
-def _leaf_names(call: FlatCall, forward: Callable) -> list[str]:
-    """A readable name for each tensor of the call: "argument 0 ('x')", "argument 'mask'[1]"."""
-    try:
-        parameters = list(inspect.signature(forward).parameters.values())[1:]  # drop self
-    except (TypeError, ValueError):
-        parameters = []
-    positional = [
-        p.name for p in parameters
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    try:
-        args, kwargs = call.rebuild(call.tensors)
-        paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
-    except Exception:  # a pytree node type registered without key paths
-        return [f"tensor argument {i}" for i in range(len(call.tensors))]
-    names = []
-    for position in call.tensor_positions:
-        path = paths[position]
-        rest = pytree.keystr(path[2:])
-        if path[0].idx == 0:  # a positional argument
-            index = path[1].idx
-            name = f" ({positional[index]!r})" if index < len(positional) else ""
-            names.append(f"argument {index}{name}{rest}")
-        else:
-            names.append(f"argument {path[1].key!r}{rest}")
-    return names

@@ -51,7 +51,14 @@ from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, sized_numbers, tensors_of
 from lazygrad.parts import parts_of
 from lazygrad.session import GraphRunError
-from lazygrad.signature import FlatCall, LastSignature, Signature, flatten_call, opaque_argument
+from lazygrad.signature import (
+    FlatCall,
+    LastSignature,
+    Signature,
+    flatten_call,
+    leaf_names,
+    opaque_argument,
+)
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
 from lazygrad.verify import VerificationError, verify, verify_like_eager
@@ -103,6 +110,11 @@ class PairEntry:
     stats: EntryStats
 
 
+# Values of a number argument that get graphs of their own before its calls run eagerly (as
+# torch.compile's recompile limit): a few settings are each served, a changing one is not.
+NUMBER_VALUES = 8
+
+
 class BuildFailed(Exception):
     """Graphs for a signature could not be built or checked: the signature falls back.
 
@@ -137,6 +149,8 @@ class Runtime:
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
         self._changing_calls = 0  # first calls in a row that changed the module's attributes
+        # per signature with its numbers left out: the numbers' values met (`_numbers_churn`)
+        self._numbers_seen: dict[Signature, set[tuple]] = {}
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -223,12 +237,12 @@ class Runtime:
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
-        opaque = opaque_argument(call, args, kwargs)
+        opaque = opaque_argument(call, args, kwargs, attach.original_forward(type(self.module)))
         if opaque is not None:
             self._say_once(
                 f"{type(self.module).__name__}: its calls with {opaque} run in eager PyTorch: "
                 "a graph would hold what that object holds as constants, and would not make the "
-                "changes the forward makes to it")
+                "changes the forward makes to it", stacklevel=7)
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
@@ -260,6 +274,10 @@ class Runtime:
             key = self._index_key(signature, state) if entry is None else None
             if key is not None and self._serve_from_index(signature, call, state, key):
                 return self._call(signature, call, state, args, kwargs)
+            if entry is None and self._numbers_churn(signature, call, args, kwargs):
+                with self._lock:
+                    self.stats.eager_steps += 1
+                return self._eager(args, kwargs)
             return self._first_call(signature, call, state, args, kwargs, key)
         primals = [*state.values(), *call.tensors]
         pair = found.pair
@@ -280,6 +298,37 @@ class Runtime:
             return self._fall_back(signature, call, args, kwargs, str(error))
         outputs = pair.module_outputs(roots, primals, env)
         return entry.template.rebuild(outputs, pair.sizes_of(env))
+
+    def _numbers_churn(self, signature: Signature, call: FlatCall, args: tuple,
+                       kwargs: dict) -> bool:
+        """Whether a new signature differs from others only in the values of number arguments
+        that have taken `NUMBER_VALUES` values already (a temperature or a step count passed
+        at every call): a graph is specialised on each number, so each value was a build that
+        served no later call, and every step ran eagerly beside a queue of builds, unsaid.
+        Such calls run eagerly without a build, said once; the values built before still
+        serve."""
+        numbers = {i for i, (kind, _) in enumerate(signature.constants) if kind in (int, float)}
+        if not numbers:
+            return False
+        general = dataclasses.replace(signature, constants=tuple(
+            (kind, None) if i in numbers else (kind, value)
+            for i, (kind, value) in enumerate(signature.constants)))
+        with self._lock:
+            seen = self._numbers_seen.setdefault(general, set())
+            if len(seen) >= NUMBER_VALUES:
+                return True
+            seen.add(signature.constants)
+            if len(seen) < NUMBER_VALUES:
+                return False
+            changing = [i for i in sorted(numbers) if len({c[i] for c in seen}) > 1]
+        constants = [p for p, leaf in enumerate(call.leaves) if not isinstance(leaf, torch.Tensor)]
+        every = leaf_names(args, kwargs, attach.original_forward(type(self.module)))
+        names = ", ".join(every[constants[i]] for i in changing)
+        self._say_once(
+            f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph is "
+            "specialised on the numbers it is given, so its calls with a new value run in eager "
+            "PyTorch (pass a number that changes from call to call as a tensor)", stacklevel=10)
+        return True
 
     def _plan(self, signature: Signature, entry: SignatureEntry) -> tuple[int, Mask | None]:
         """A call's number in the signature's forecast and the mask its forward stashes for
@@ -816,11 +865,12 @@ class Runtime:
         names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
         self._say_once(f"{type(self.module).__name__}: each call changes the module's own "
                        f"attributes ({', '.join(names)}), which graphs are specialised on, so "
-                       "its calls run in eager PyTorch")
+                       "its calls run in eager PyTorch", stacklevel=10)
 
-    def _say_once(self, reason: str) -> None:
+    def _say_once(self, reason: str, stacklevel: int) -> None:
         """A fallback that no signature holds (the calls it covers run eagerly before one is
-        made): counted and warned once per reason; strict mode raises."""
+        made): counted and warned once per reason; strict mode raises. `stacklevel`: the
+        user's call that met it, counted from here."""
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
         with self._lock:
@@ -829,7 +879,7 @@ class Runtime:
             self.stats.fallbacks += 1
             self.stats.reasons.append(reason)
         warnings.warn(f"lazygrad falls back to eager PyTorch: {reason}", FallbackWarning,
-                      stacklevel=7)
+                      stacklevel=stacklevel)
 
     def _culprits(self, where: str | None) -> list[str]:
         """The submodules (qualified names) of the same class and the same plain attributes as

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 import operator
 import threading
 import types
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -115,20 +116,45 @@ def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
     return FlatCall(leaves, structure, positions)
 
 
-def opaque_argument(call: FlatCall, args: tuple, kwargs: dict) -> str | None:
+def opaque_argument(call: FlatCall, args: tuple, kwargs: dict,
+                    forward: Callable[..., Any]) -> str | None:
     """Names the first argument leaf that is neither a tensor nor one of `VALUES` ("argument
-    past_key_values (a DynamicCache)"), or None. Such a call cannot be captured: the trace
+    'past_key_values' (a DynamicCache)"), or None. Such a call cannot be captured: the trace
     would bake what the object holds into the graph and change the caller's object with
     trace tensors, so it is refused before any trace runs."""
     if len(call.tensor_positions) == len(call.leaves):
         return None
-    for leaf in call.leaves:
+    for position, leaf in enumerate(call.leaves):
         if not isinstance(leaf, (torch.Tensor, *VALUES)):
-            names = [name for name, value in kwargs.items() if value is leaf]
-            names += [str(index) for index, value in enumerate(args) if value is leaf]
-            where = f"argument {names[0]}" if names else "an argument's element"
-            return f"{where} (a {type(leaf).__name__})"
+            return f"{leaf_names(args, kwargs, forward)[position]} (a {type(leaf).__name__})"
     return None
+
+
+def leaf_names(args: tuple, kwargs: dict, forward: Callable[..., Any]) -> list[str]:
+    """A readable name for each of the call's leaves (`flatten_call`'s order): "argument 0
+    ('x')", "argument 'mask'[1]". `forward` (unbound) names the positional arguments."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]  # drop self
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p.name for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    try:
+        paths = [path for path, _ in
+                 pytree.tree_flatten_with_path((args, dict(sorted(kwargs.items()))))[0]]
+    except Exception:  # a pytree node type registered without key paths
+        count = len(flatten((args, dict(sorted(kwargs.items()))))[0])
+        return [f"argument leaf {i}" for i in range(count)]
+    names = []
+    for path in paths:
+        rest = pytree.keystr(path[2:])
+        if path[0].idx == 0:  # a positional argument
+            index = path[1].idx
+            name = f" ({positional[index]!r})" if index < len(positional) else ""
+            names.append(f"argument {index}{name}{rest}")
+        else:
+            names.append(f"argument {path[1].key!r}{rest}")
+    return names
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from conftest import (
 )
 
 import lazygrad
+from lazygrad import runtime
 
 
 def _train_step(model, inputs, mask):
@@ -298,6 +299,34 @@ def test_a_module_level_tensor_the_forward_reads_changed_in_place_is_seen():
         CLASS_WEIGHTS.copy_(saved)
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, temperature):
+        return torch.tanh(self.linear(x) / temperature)
+
+
+@pytest.mark.falls_back
+def test_a_number_argument_new_at_every_call_runs_eagerly_said_once():
+    """A graph is specialised on each number argument: a temperature annealed at every call
+    was a build per step that served no later step, and every step ran eagerly, unsaid. After
+    `NUMBER_VALUES` values its new values run eagerly with one warning; values built before
+    still run through ORT."""
+    torch.manual_seed(0)
+    eager = Tempered()
+    lazy = lazy_copy(eager)
+    temperatures = [1.0 + 0.1 * step for step in range(runtime.NUMBER_VALUES + 3)] + [1.0, 1.1]
+    said = r"argument 1 \('temperature'\) took 8 values"
+    with pytest.warns(lazygrad.FallbackWarning, match=said) as seen:
+        for step, temperature in enumerate(temperatures):
+            sum_step_like_eager(lazy, eager, (torch.randn(3, 4), temperature), f"step {step}")
+    assert len([w for w in seen if issubclass(w.category, lazygrad.FallbackWarning)]) == 1
+    stats = lazygrad.stats(lazy)
+    assert (stats.exports, stats.hits, stats.fallbacks) == (runtime.NUMBER_VALUES - 1, 2, 1)
 
 
 gate = torch.ones(4)  # a script's (a notebook's) global, named as the model's attribute

@@ -414,7 +414,7 @@ def test_calls_with_an_object_argument_run_eagerly_with_one_warning_and_change_t
     eager = Recurrent()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     memories = Memory(), Memory()
-    with pytest.warns(lazygrad.FallbackWarning, match=r"argument memory \(a Memory\)") as seen:
+    with pytest.warns(lazygrad.FallbackWarning, match=r"argument 'memory' \(a Memory\)") as seen:
         for step in range(3):
             x = torch.randn(4, 8)
             for model, memory in zip((lazy, eager), memories):
