@@ -72,7 +72,7 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
         hasher.feed(list(state_names))
         hasher.feed(GlobalsRead(module).items())
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
-                     signature.state, signature.shapes, parts))
+                     signature.state, signature.state_layouts, signature.shapes, parts))
         hasher.feed_structure(signature.structure)
         hasher.feed(("helpers", _helper_files(hasher.code_modules), str(torch.get_default_dtype())))
     except Unhashable:

@@ -4,7 +4,7 @@ A graph captured for one call serves another call when the two agree on the modu
 attributes (train/eval flags among them), grad mode, the autocast state, the structure of the
 arguments, every tensor's dtype, rank, device, requires_grad, which of its sizes are 0 or 1
 and its layout (contiguous, or the order of its strides), every non-tensor argument's value,
-and the parameters' dtypes, shapes, devices and requires_grad. Other sizes are not part of
+and the parameters' dtypes, shapes, devices, requires_grad and layouts. Other sizes are not part of
 the key: graphs are traced with symbolic sizes, and the conditions the trace put on them are
 checked per call (`GraphPair.holds_for`); a call that breaks them gets a graph for its exact
 sizes (`with_shapes`).
@@ -19,7 +19,7 @@ import inspect
 import operator
 import threading
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -64,12 +64,13 @@ class Signature:
     tensors: tuple[TensorMeta, ...]
     constants: tuple[Hashable, ...]
     state: tuple[StateMeta, ...]
+    state_layouts: tuple[tuple[int, ...], ...]  # () while every state tensor is contiguous
     shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         # A signature is hashed by every cache lookup of a call: once is enough.
         fields = (self.modes, self.grad, self.autocast, self.structure, self.tensors,
-                  self.constants, self.state, self.shapes)
+                  self.constants, self.state, self.state_layouts, self.shapes)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -243,10 +244,22 @@ def _parts(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> tupl
     grad = torch.is_grad_enabled() and (
         any(map(_requires_grad, tensors)) or any(map(_requires_grad, states))
     )
-    return (modes, grad, _autocast(), call.structure, tensors, constants, states)
+    return (modes, grad, _autocast(), call.structure, tensors, constants, states,
+            _layouts(state.values()))
 
 
 _requires_grad = operator.itemgetter(3)  # of a TensorMeta and of a state's meta
+_contiguous = operator.methodcaller("is_contiguous")
+
+
+def _layouts(tensors: Iterable[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    """The state tensors' layouts, as `TensorMeta.layout`: a model converted to channels-last
+    after its first build draws its Dropout masks in the new layout (`Draw`). () in one pass
+    while all are contiguous, as they nearly always are."""
+    tensors = list(tensors)
+    if all(map(_contiguous, tensors)):
+        return ()
+    return tuple(() if t.is_contiguous() else _stride_order(t) for t in tensors)
 
 
 def _autocast() -> tuple[tuple[str, bool, torch.dtype | None], ...]:

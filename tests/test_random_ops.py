@@ -234,3 +234,28 @@ def test_dropout_of_a_channels_last_activation_draws_in_its_layout():
         assert_grads_equal(lazy, eager, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)
+
+
+def test_dropout_after_the_model_is_converted_to_channels_last_draws_in_its_new_layout():
+    """Channels-last weights make the convolution's output channels last: a model converted
+    after its first build is another signature (the parameters' layouts are part of it), with
+    its own draws."""
+    torch.manual_seed(0)
+    eager = ConvDropout()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(4):
+        if step == 2:
+            for model in (lazy, eager):
+                model.to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 5, 6)
+        outputs = []
+        for model in (lazy, eager):
+            torch.manual_seed(10 + step)
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            out.square().sum().backward()
+            outputs.append(out)
+        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)
