@@ -57,7 +57,7 @@ from lazygrad.signature import (
     Signature,
     flatten_call,
     leaf_names,
-    opaque_argument,
+    opaque_leaf,
 )
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
@@ -237,12 +237,14 @@ class Runtime:
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
-        opaque = opaque_argument(call, args, kwargs, attach.original_forward(type(self.module)))
+        opaque = opaque_leaf(call)
         if opaque is not None:
+            name = self._leaf_names(args, kwargs)[opaque]
+            kind = type(call.leaves[opaque]).__name__
             self._say_once(
-                f"{type(self.module).__name__}: its calls with {opaque} run in eager PyTorch: "
-                "a graph would hold what that object holds as constants, and would not make the "
-                "changes the forward makes to it", stacklevel=7)
+                f"{type(self.module).__name__}: its calls with {name} (a {kind}) run in eager "
+                "PyTorch: a graph would hold what that object holds as constants, and would not "
+                "make the changes the forward makes to it", stacklevel=7)
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
@@ -322,13 +324,17 @@ class Runtime:
                 return False
             changing = [i for i in sorted(numbers) if len({c[i] for c in seen}) > 1]
         constants = [p for p, leaf in enumerate(call.leaves) if not isinstance(leaf, torch.Tensor)]
-        every = leaf_names(args, kwargs, attach.original_forward(type(self.module)))
+        every = self._leaf_names(args, kwargs)
         names = ", ".join(every[constants[i]] for i in changing)
         self._say_once(
             f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph is "
             "specialised on the numbers it is given, so its calls with a new value run in eager "
             "PyTorch (pass a number that changes from call to call as a tensor)", stacklevel=10)
         return True
+
+    def _leaf_names(self, args: tuple, kwargs: dict) -> list[str]:
+        """Each argument leaf's name in messages, by the module's own forward's parameters."""
+        return leaf_names(args, kwargs, attach.original_forward(type(self.module)))
 
     def _plan(self, signature: Signature, entry: SignatureEntry) -> tuple[int, Mask | None]:
         """A call's number in the signature's forecast and the mask its forward stashes for
@@ -360,7 +366,7 @@ class Runtime:
 
         def eager_backward(primals: list[torch.Tensor], cotangents: tuple,
                            generator: torch.Tensor | None,
-                           create_graph: bool = False) -> list[torch.Tensor | None]:
+                           create_graph: bool) -> list[torch.Tensor | None]:
             return self._eager_backward(signature, entry, primals, cotangents, generator,
                                         create_graph)
 
@@ -760,7 +766,7 @@ class Runtime:
     def _eager_backward(self, signature: Signature, entry: SignatureEntry,
                         primals: list[torch.Tensor], cotangents: tuple,
                         generator: torch.Tensor | None,
-                        create_graph: bool = False) -> list[torch.Tensor | None]:
+                        create_graph: bool) -> list[torch.Tensor | None]:
         """A step's gradients by eager PyTorch: its forward again from the saved inputs (the
         random draws replayed from the generator state they were drawn from: they are drawn as
         eager draws them, `capture/draws.py`), then autograd with the step's cotangents.

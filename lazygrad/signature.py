@@ -19,7 +19,7 @@ import inspect
 import operator
 import threading
 import types
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 # Non-tensor argument leaves a graph may be specialised on: values, and code (a function is
 # kept by identity). Any other object (a Hugging Face `DynamicCache`, an array, a module) can
 # hold tensors the trace would bake in as constants, and state the forward changes (a cache
-# appends each call's keys) that ORT's steps would never change: `opaque_argument`.
+# appends each call's keys) that ORT's steps would never change: `opaque_leaf`.
 VALUES = (
     type(None), bool, int, float, complex, str, bytes, type, enum.Enum, slice, type(Ellipsis),
     torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format,
@@ -117,17 +117,16 @@ def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
     return FlatCall(leaves, structure, positions)
 
 
-def opaque_argument(call: FlatCall, args: tuple, kwargs: dict,
-                    forward: Callable[..., Any]) -> str | None:
-    """Names the first argument leaf that is neither a tensor nor one of `VALUES` ("argument
-    'past_key_values' (a DynamicCache)"), or None. Such a call cannot be captured: the trace
-    would bake what the object holds into the graph and change the caller's object with
-    trace tensors, so it is refused before any trace runs."""
+def opaque_leaf(call: FlatCall) -> int | None:
+    """The position of the first argument leaf that is neither a tensor nor one of `VALUES` (a
+    `DynamicCache`), or None. Such a call cannot be captured: the trace would bake what the
+    object holds into the graph and change the caller's object with trace tensors, so it is
+    refused before any trace runs."""
     if len(call.tensor_positions) == len(call.leaves):
         return None
     for position, leaf in enumerate(call.leaves):
         if not isinstance(leaf, (torch.Tensor, *VALUES)):
-            return f"{leaf_names(args, kwargs, forward)[position]} (a {type(leaf).__name__})"
+            return position
     return None
 
 
@@ -252,11 +251,10 @@ _requires_grad = operator.itemgetter(3)  # of a TensorMeta and of a state's meta
 _contiguous = operator.methodcaller("is_contiguous")
 
 
-def _layouts(tensors: Iterable[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+def _layouts(tensors: Collection[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
     """The state tensors' layouts, as `TensorMeta.layout`: a model converted to channels-last
     after its first build draws its Dropout masks in the new layout (`Draw`). () in one pass
     while all are contiguous, as they nearly always are."""
-    tensors = list(tensors)
     if all(map(_contiguous, tensors)):
         return ()
     return tuple(() if t.is_contiguous() else _stride_order(t) for t in tensors)

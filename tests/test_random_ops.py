@@ -181,6 +181,23 @@ def test_a_draw_from_pythons_or_numpys_random_in_the_forward_is_never_baked_in(g
     assert sum(part.hits for part in stats.parts.values()) > 0
 
 
+def _seeded_step_like_eager(lazy, eager, seed: int, x: torch.Tensor, what: str,
+                            cotangent: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """One step of both models on `x` under the same seed, the backward of the output times
+    `cotangent` (else of its squares): the output and the gradients are eager's. Returns the
+    lazy model's output."""
+    outputs = []
+    for model in (lazy, eager):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        out = model(x, **kwargs)
+        (out * cotangent if cotangent is not None else out.square()).sum().backward()
+        outputs.append(out)
+    assert_close(outputs[0].detach(), outputs[1].detach(), f"{what}: output")
+    assert_grads_equal(lazy, eager, what)
+    return outputs[0]
+
+
 def test_a_transformer_layers_dropout_draws_what_eager_draws():
     """MultiheadAttention's batch-first output is a transposed view, so eager's Dropout draws
     its mask in the transposed order; drawn contiguous, every ORT step of an
@@ -193,16 +210,10 @@ def test_a_transformer_layers_dropout_draws_what_eager_draws():
     padding[1, 4:] = True
     for step in range(3):
         x, cotangent = torch.randn(3, 6, 16), torch.randn(3, 6, 16)
-        outputs = []
-        for model in (lazy, eager):
-            torch.manual_seed(10 + step)
-            model.zero_grad(set_to_none=True)
-            out = model(x, src_key_padding_mask=padding)
-            (out * cotangent).sum().backward()  # not a sum of squares: constant after a norm
-            outputs.append(out)
-        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
-        assert_grads_equal(lazy, eager, f"step {step}")
-    assert ran_through_ort([outputs[0]]) and lazygrad.stats(lazy).fallbacks == 0
+        # not a sum of squares: constant after the layer's closing norm
+        out = _seeded_step_like_eager(lazy, eager, 10 + step, x, f"step {step}", cotangent,
+                                      src_key_padding_mask=padding)
+    assert ran_through_ort([out]) and lazygrad.stats(lazy).fallbacks == 0
 
 
 class ConvDropout(torch.nn.Module):
@@ -223,15 +234,7 @@ def test_dropout_of_a_channels_last_activation_draws_in_its_layout():
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     for step, layout in enumerate([torch.contiguous_format, torch.channels_last] * 2):
         x = torch.randn(2, 3, 5, 6).contiguous(memory_format=layout)
-        outputs = []
-        for model in (lazy, eager):
-            torch.manual_seed(10 + step)
-            model.zero_grad(set_to_none=True)
-            out = model(x)
-            out.square().sum().backward()
-            outputs.append(out)
-        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
-        assert_grads_equal(lazy, eager, f"step {step}")
+        _seeded_step_like_eager(lazy, eager, 10 + step, x, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)
 
@@ -248,14 +251,6 @@ def test_dropout_after_the_model_is_converted_to_channels_last_draws_in_its_new_
             for model in (lazy, eager):
                 model.to(memory_format=torch.channels_last)
         x = torch.randn(2, 3, 5, 6)
-        outputs = []
-        for model in (lazy, eager):
-            torch.manual_seed(10 + step)
-            model.zero_grad(set_to_none=True)
-            out = model(x)
-            out.square().sum().backward()
-            outputs.append(out)
-        assert_close(outputs[0].detach(), outputs[1].detach(), f"step {step}: output")
-        assert_grads_equal(lazy, eager, f"step {step}")
+        _seeded_step_like_eager(lazy, eager, 10 + step, x, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)
