@@ -1,4 +1,4 @@
-"""The module-level values a model's own code reads: part of its signature.
+"""The module-level and class-level values a model's own code reads: part of its signature.
 
 A trace runs the forward's Python once, so a module-level flag or number that the code reads
 (`USE_AUX = step > 1000` set by the training script, `helpers.TEMPERATURE`) is a constant of the
@@ -7,9 +7,12 @@ on such globals). So the plain values (bool, int, float, str, None, dtype, tuple
 the tensors (by identity and version counter: class weights changed in place) that the user's
 code names are read at every call: the names in the code of every module class in the
 tree (its methods and their nested functions), of the functions that code names, and the
-attributes it names of the user's modules it names (`helpers.TEMPERATURE`). Installed code (torch,
-transformers, the standard library) is not read: its module-level values are the library's.
-Other values (a function, a class) are not watched.
+attributes it names of the user's modules it names (`helpers.TEMPERATURE`). So are the class
+attributes of the user's module classes (`Model.scale = 2.0` set by the script after a build
+served the old graph, 8.4 off in a probe's output). Installed code (torch, transformers, the
+standard library) is not read: its module-level values are the library's. Other values (a
+function, a class) are not watched; `names_read` lists every name, for what else needs them
+(`capture/python_random.py`: a generator's method imported by name).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import dis
 import functools
 import os
 import site
+import sys
 import sysconfig
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -32,7 +36,7 @@ class GlobalsRead:
     """Where each watched value lives (a namespace and a name) and how it is named."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        found: dict[tuple[int, str], tuple[dict, str, str]] = {}
+        found: dict[tuple[int, str], tuple[Mapping, str, str]] = {}
         for namespace, name, label in _read_by(module):
             found.setdefault((id(namespace), name), (namespace, name, label))
         # In label order: the same in every process (the disk index hashes them in this order).
@@ -99,9 +103,22 @@ def is_plain(value: object) -> bool:
     return type(value) is tuple and all(type(v) in _PLAIN for v in value)
 
 
-def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
-    functions = [function for klass in {type(m) for m in module.modules()}
-                 for function in _methods(klass)]
+def _read_by(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
+    return ((namespace, name, label) for namespace, name, label in names_read(module)
+            if _watched(namespace.get(name, _MISSING)))
+
+
+def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
+    """(namespace, name, label) of every value the user's code of the module tree reads: the
+    class attributes of its classes (dunder names aside), the globals its code loads, and the
+    attributes it names of the user's modules it loads."""
+    classes = {type(m) for m in module.modules()}
+    for user_class in {base for klass in classes for base in _user_bases(klass)}:
+        namespace = user_class.__dict__
+        label = f"{user_class.__module__}.{user_class.__qualname__}"
+        yield from ((namespace, name, f"{label}.{name}")
+                    for name in namespace if not name.startswith("__"))
+    functions = [function for klass in classes for function in _methods(klass)]
     seen: set[types.CodeType] = set()
     while functions:
         function = functions.pop()
@@ -115,15 +132,24 @@ def _read_by(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
             global_names.update(_globals_loaded(code))
         for name in global_names:
             value = namespace.get(name, _MISSING)
-            if _watched(value):
-                yield namespace, name, f"{namespace.get('__name__')}.{name}"
-            elif isinstance(value, types.FunctionType):
+            yield namespace, name, f"{namespace.get('__name__')}.{name}"
+            if isinstance(value, types.FunctionType):
                 functions.append(value)
             elif isinstance(value, types.ModuleType) and getattr(value, "__file__", None) \
                     and not is_library(value.__file__):
                 attributes = vars(value)
                 yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
-                            for attribute in names if _watched(attributes.get(attribute)))
+                            for attribute in names if attribute in attributes)
+
+
+def _user_bases(klass: type) -> Iterator[type]:
+    """The classes of `klass`'s MRO below torch.nn.Module that the user's code defines."""
+    for base in klass.__mro__:
+        if base is torch.nn.Module or base is object:
+            return
+        source = getattr(sys.modules.get(base.__module__), "__file__", None)
+        if source is None or not is_library(source):
+            yield base
 
 
 def _methods(klass: type) -> Iterator[types.FunctionType]:

@@ -10,8 +10,12 @@ which its forward reads at every call: a logit soft-cap or a sliding window chan
 config served the old graph, silently wrong, before). So are its tensor attributes that are
 neither parameters nor buffers (a mask or a scale kept as a plain attribute), by identity and
 version counter: a trace bakes their values into the graph, and one replaced or changed in
-place after a build served the old values, silently wrong, before. And so are the plain module-level
-values the user's code reads (`code_globals.py`), compared by identity at every call.
+place after a build served the old values, silently wrong, before. So are its list and dict
+attributes that hold only such values (plain values, tensors, and lists, tuples and dicts of
+them: indices kept as `self.keep = [0, 2]`, anchors kept in a list, a dict of scales), by their
+items: one replaced, or a tensor among them changed in place, after a build served the old
+values, silently wrong, before. And so are the plain module-level values the user's code reads
+(`code_globals.py`), compared by identity at every call.
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -21,11 +25,12 @@ still the one its module holds (which catches direct writes to `_parameters`, as
 `torch.__future__.set_overwrite_module_params_on_conversion` makes `.to()` do).
 
 The plain attributes are read again only when a submodule's `__dict__` (or one of its hook
-dicts, or the `__dict__` of an object it holds) changed: each call compares every such dict's
-keys and values, by identity, with those the attributes were last read from (a few C-level
-passes, where filtering every attribute in Python cost more than ORT's run), and returns the
-very same `modes` tuple while they match. The values compared are held until the next change, so
-an attribute the module replaced stays alive until its next call.
+dicts, the `__dict__` of an object it holds, or one of its list and dict attributes) changed:
+each call compares every such dict's (and list's) keys and values, by identity, with those the
+attributes were last read from (a few C-level passes, where filtering every attribute in Python
+cost more than ORT's run), and returns the very same `modes` tuple while they match. The values
+compared are held until the next change, so an attribute the module replaced stays alive until
+its next call.
 """
 
 from __future__ import annotations
@@ -68,7 +73,11 @@ class _Attributes(NamedTuple):
     extras: list[dict]
     hooks: list[dict]
     hook_lengths: list[int]
-    tensors: list[torch.Tensor]  # the submodules' plain tensor attributes, the globals read
+    lists: list[list]  # the list attributes read (and the lists inside them and inside dicts)
+    list_lengths: list[int]
+    list_items: list[object]  # their items, held
+    tensors: list[torch.Tensor]  # the submodules' plain tensor attributes (and those held in
+    # their lists and dicts), the globals read
     versions: list[int]  # their version counters when read
     global_values: list[object]  # the module-level values the code reads (`code_globals.py`)
 
@@ -81,6 +90,7 @@ class ModuleState:
         self._tables: list[dict] = []  # per state tensor: the `_parameters`/`_buffers` holding it
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
+        self._state_ids: frozenset[int] = frozenset()
         self._state: dict[str, torch.Tensor] = {}
         self._attributes: _Attributes | None = None
         self._globals: GlobalsRead | None = None
@@ -97,9 +107,11 @@ class ModuleState:
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
                 or list(map(version_of, attributes.tensors)) != attributes.versions
                 or not all(map(operator.is_, global_values, attributes.global_values))
-                or not _unchanged(attributes, dicts + attributes.extras)):
-            attributes = self._attributes = _read(dicts, attributes,
-                                                  self._globals, global_values)
+                or not _unchanged(attributes, dicts + attributes.extras)
+                or list(map(len, attributes.lists)) != attributes.list_lengths
+                or not all(map(operator.is_, _chain(attributes.lists), attributes.list_items))):
+            attributes = self._attributes = _read(dicts, attributes, self._globals,
+                                                  global_values, self._state_ids)
         return self._state, attributes.modes
 
     def _current(self) -> bool:
@@ -119,6 +131,7 @@ class ModuleState:
             self._tables.append(owner._parameters if name in owner._parameters else owner._buffers)
             self._names.append(name)
             self._tensors.append(tensor)
+        self._state_ids = frozenset(map(id, self._tensors))
         self._state = state
 
 
@@ -140,16 +153,18 @@ def plain_attributes(module: torch.nn.Module) -> tuple:
 
 
 def _read(dicts: list[dict], previous: _Attributes | None, globals_read: GlobalsRead,
-          global_values: list[object]) -> _Attributes:
-    modes = (*map(_modes_of, dicts), globals_read.modes(global_values))
+          global_values: list[object], state_ids: frozenset[int]) -> _Attributes:
+    containers = _Containers(state_ids)
+    modes = (*(_modes_of(d, containers) for d in dicts), globals_read.modes(global_values))
     if previous is not None and modes == previous.modes:
         modes = previous.modes  # the same object while equal: the signature's fast path
     hooks = [hook for d in dicts for name in _HOOKS
              if isinstance(hook := d.get(name), dict)]
     objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
-    extras = [hook for hook in hooks if hook] + list(objects.values())
+    extras = [hook for hook in hooks if hook] + list(objects.values()) + containers.dicts
     watched = dicts + extras
     tensors = [v for d in dicts for v in d.values() if isinstance(v, torch.Tensor)]
+    tensors += containers.tensors
     tensors += [v for v in global_values if isinstance(v, torch.Tensor)]
     return _Attributes(
         list(map(len, watched)),
@@ -159,6 +174,9 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
         extras,
         hooks,
         list(map(len, hooks)),
+        containers.lists,
+        list(map(len, containers.lists)),
+        list(_chain(containers.lists)),
         tensors,
         list(map(version_of, tensors)),
         global_values,
@@ -170,24 +188,80 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _modes_of(attributes: dict) -> tuple:
+def _modes_of(attributes: dict, containers: _Containers) -> tuple:
     """A submodule's part of the signature: its plain attributes; the ids of its hooks, per
     hook dict; its plain tensor attributes (by identity and version: a trace bakes their values
-    in as constants); an instance `forward` (by identity); each plain object's plain
-    attributes."""
+    in as constants); its list and dict attributes of such values, item by item
+    (`containers` records what they hold); an instance `forward` (by identity); each plain
+    object's plain attributes (and its lists and dicts of them, as they are when the object's
+    `__dict__` changes: a config's contents are not compared at every call)."""
     modes = [item for item in attributes.items() if is_plain(item[1])]
     for name in _HOOKS:
         if hooks := attributes.get(name):
             modes.append((name, tuple(hooks)))
     modes.extend((name, ("tensor", id(value), version_of(value)))
                  for name, value in attributes.items() if isinstance(value, torch.Tensor))
+    for name, value in attributes.items():
+        if type(value) in _CONTAINERS and name not in _MODULE_INTERNALS and not is_plain(value):
+            items = containers.frozen(value)
+            if items is not _UNWATCHED:
+                modes.append((name, items))
     forward = attributes.get("forward")
     if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
         modes.append(("forward", id(forward)))
     for name, value in attributes.items():
         if _is_plain_object(value):
-            modes.append((name, tuple(i for i in vars(value).items() if is_plain(i[1]))))
+            settings = _Containers(containers.state_ids)
+            modes.append((name, tuple(
+                (key, frozen) for key, item in vars(value).items()
+                if (frozen := settings.frozen(item)) is not _UNWATCHED
+                and not isinstance(item, torch.Tensor))))
     return tuple(modes)
+
+
+_CONTAINERS = (list, tuple, dict)
+_UNWATCHED = object()
+# The containers every module holds for itself (parameters, buffers, submodules, hooks): their
+# contents are the module's structure, not settings.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+class _Containers:
+    """Freezes list, tuple and dict attributes into values a signature can hold and compare,
+    and records the mutable containers and tensors met, whose changes the next call must see."""
+
+    def __init__(self, state_ids: frozenset[int]) -> None:
+        self.state_ids = state_ids
+        self.lists: list[list] = []
+        self.dicts: list[dict] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def frozen(self, value: object) -> object:
+        """Plain values as themselves; a tensor by identity and version (a parameter or buffer
+        as "state": it is an input of the graph, not a constant); lists, tuples and dicts of
+        these as tuples; `_UNWATCHED` if the container holds anything else (a module, a
+        function, an object), which is not part of the signature."""
+        if is_plain(value):
+            return value
+        if isinstance(value, torch.Tensor):
+            if id(value) in self.state_ids:
+                return ("state",)
+            self.tensors.append(value)
+            return ("tensor", id(value), version_of(value))
+        if type(value) in (list, tuple):
+            items = tuple(map(self.frozen, value))
+            if _UNWATCHED in items:
+                return _UNWATCHED
+            if type(value) is list:
+                self.lists.append(value)
+            return (type(value).__name__, items)
+        if type(value) is dict:
+            pairs = tuple((key, self.frozen(item)) for key, item in value.items())
+            if any(frozen is _UNWATCHED for _, frozen in pairs):
+                return _UNWATCHED
+            self.dicts.append(value)
+            return ("dict", pairs)
+        return _UNWATCHED
 
 
 def _is_plain_object(value: object) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -135,9 +136,16 @@ def test_a_draw_from_a_generator_of_the_modules_own_falls_back_and_is_never_bake
     assert lazygrad.stats(model).breaks == 1  # its own code eagerly, its Linear on its own
 
 
+from random import random as random_by_name  # noqa: E402  (as a script imports it)
+
+SCRIPTS_GENERATOR = np.random.default_rng(0)  # a generator of the training script's
+
+
 class TeacherForcing(torch.nn.Module):
-    """A seq2seq decoder that feeds the target token or its own guess, by Python's `random`
-    (as the well-known PyTorch seq2seq tutorials decide teacher forcing), or by NumPy's."""
+    """A seq2seq decoder that feeds the target token or its own guess, by a draw from Python's
+    or NumPy's random numbers (as the well-known PyTorch seq2seq tutorials decide teacher
+    forcing): from the global generators, through a function imported by name, or from a
+    generator of the module's own or of the script's."""
 
     def __init__(self, generator: str) -> None:
         super().__init__()
@@ -145,31 +153,51 @@ class TeacherForcing(torch.nn.Module):
         self.cell = torch.nn.GRUCell(8, 16)
         self.out = torch.nn.Linear(16, 20)
         self.generator = generator
+        self.python_generator = random.Random(1)
+        self.numpy_generator = np.random.default_rng(1)
+
+    def draw(self) -> float:
+        if self.generator == "random":
+            return random.random()
+        if self.generator == "numpy":
+            return np.random.uniform()
+        if self.generator == "imported by name":
+            return random_by_name()
+        if self.generator == "the module's random.Random":
+            return self.python_generator.random()
+        if self.generator == "the module's numpy Generator":
+            return self.numpy_generator.uniform()
+        return SCRIPTS_GENERATOR.uniform()
 
     def forward(self, target):
         hidden, token, logits = torch.zeros(target.shape[0], 16), target[:, 0], []
         for t in range(1, target.shape[1]):
             hidden = self.cell(self.embed(token), hidden)
             logits.append(self.out(hidden))
-            draw = random.random() if self.generator == "random" else np.random.uniform()
-            token = target[:, t] if draw < 0.5 else logits[-1].argmax(-1)
+            token = target[:, t] if self.draw() < 0.5 else logits[-1].argmax(-1)
         return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("generator", ["random", "numpy"])
+@pytest.mark.parametrize("generator", [
+    "random", "numpy", "imported by name", "the module's random.Random",
+    "the module's numpy Generator", "the script's numpy Generator"])
 def test_a_draw_from_pythons_or_numpys_random_in_the_forward_is_never_baked_in(generator):
-    """Traced, the branch of the trace's one draw served every step (0.42 off, no fallback):
-    now the forward runs in eager PyTorch (its GRU cell, embedding and head as lazy parts)."""
+    """Traced, the branch of the trace's one draw served every step (0.42 off, no fallback; a
+    function imported by name and the generators of the module's own and of the script's were
+    not seen until later): now the forward runs in eager PyTorch (its GRU cell, embedding and
+    head as lazy parts)."""
     torch.manual_seed(0)
     eager = TeacherForcing(generator)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    with pytest.warns(lazygrad.GraphBreakWarning, match="draws from a global random generator"):
+    with pytest.warns(lazygrad.GraphBreakWarning, match="draws from a random generator"):
         for step in range(4):
             target = torch.randint(0, 20, (3, 6))
-            python_state, numpy_state = random.getstate(), np.random.get_state()
+            states = random.getstate(), np.random.get_state()
+            scripts_state = SCRIPTS_GENERATOR.bit_generator.state
             got = lazy(target)
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            SCRIPTS_GENERATOR.bit_generator.state = scripts_state
             want = eager(target)
             assert_close(got.detach(), want.detach(), f"logits, step {step}")
             for model, out in ((lazy, got), (eager, want)):
@@ -179,6 +207,24 @@ def test_a_draw_from_pythons_or_numpys_random_in_the_forward_is_never_baked_in(g
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.fallbacks == 0
     assert sum(part.hits for part in stats.parts.values()) > 0
+
+
+@pytest.mark.parametrize("generator", ["random", "imported by name"])
+def test_a_refused_trace_leaves_the_scripts_random_numbers_as_they_were(generator):
+    """The trace that finds a draw draws from a copy of the generator: the script's seeded
+    stream (its data shuffling) is eager's after a lazy step, where it was one draw ahead."""
+    eager = TeacherForcing(generator)
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    target = torch.randint(0, 20, (3, 6))
+    after = []
+    for model in (lazy, eager):
+        random.seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", lazygrad.GraphBreakWarning)
+            model(target).square().mean().backward()  # lazy: traced at this backward
+        after.append(random.random())
+    assert after[0] == after[1]
+    assert lazygrad.stats(lazy).breaks == 1
 
 
 def _seeded_step_like_eager(lazy, eager, seed: int, x: torch.Tensor, what: str,

@@ -146,7 +146,7 @@ def capture(
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)
-    with escapes.watching() as made, python_random.refusing_draws(), trace.unchanged(module):
+    with escapes.watching() as made, python_random.refusing_draws(module), trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
     # Once the module holds its own tensors again:
     escapes.refuse_kept_tensors(made, traced.mode)

@@ -1,18 +1,29 @@
-"""Draws from Python's or NumPy's global random generators while tracing: refused.
+"""Draws from Python's or NumPy's random generators while tracing: refused.
 
 A trace runs the forward's Python once, so a draw made there (teacher forcing decided by
 `random.random() < ratio` in a seq2seq model's forward, a layer skipped on `np.random.uniform()`)
 becomes a constant of the graph: every ORT step would take the branch the trace took, where
 eager draws again at each call. torch's own random ops are drawn per step (`draws.py`); these
-generators cannot be. While a trace runs, the functions of the `random` and `numpy.random`
-modules record a call made from the tracing thread (other threads, a data loader's, draw as
-usual and are not counted), and a call that drew makes the capture fail, so the module runs in
-parts or eagerly. A function imported by name before (`from random import random`) is not seen.
+generators cannot be. So a trace that drew makes the capture fail, and the module runs in parts
+or eagerly:
+
+- the global generators: while a trace runs, the functions of the `random` and `numpy.random`
+  modules, and those the user's code imported by name (`from random import random`, which
+  served the trace's draw at every step before), record a call made from the tracing thread
+  (other threads, a data loader's, draw as usual and are not counted); the trace's own draw
+  is made from a copy of the generator, so the user's seeded stream of numbers is eager's;
+- generators of their own (a `random.Random`, a NumPy `Generator` or `RandomState`) that the
+  traced modules hold or the user's code reads as a global: their state before and after the
+  trace is compared. The modules traced are a copy of the model's (`Runtime`), so the
+  training thread's draws from those do not count; a global one drawn from by another thread
+  while the trace runs is refused too (eager, not wrong).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import random
 import sys
 import threading
@@ -20,36 +31,98 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from lazygrad.capture.errors import CaptureError
+from lazygrad.code_globals import names_read
 
 _STATE = {"getstate", "setstate", "seed", "get_state", "set_state"}
 
 
 @contextlib.contextmanager
-def refusing_draws() -> Iterator[None]:
+def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
     """Inside, a draw from the tracing thread is recorded; on a clean exit, one raises."""
     drawn: list[str] = []
     thread = threading.get_ident()
-    swapped: list[tuple[ModuleType, str, Callable[..., Any]]] = []
-    for module in _generators():
-        for name, function in list(vars(module).items()):
-            if name in _STATE or getattr(function, "__self__", None) is not _owner(module):
-                continue
-            setattr(module, name, _recording(function, f"{module.__name__}.{name}", thread, drawn))
-            swapped.append((module, name, function))
+    swapped: list[tuple[dict, str, Callable[..., Any]]] = []
+    for namespace, name, label in _global_draws(module):
+        namespace[name] = _recording(namespace[name], label, thread, drawn)
+        swapped.append((namespace, name, namespace[name].__wrapped__))
+    generators = _own_generators(module)
+    states = [_state_of(generator) for _, generator in generators]
     try:
         yield
     finally:
-        for module, name, function in swapped:
-            setattr(module, name, function)
+        for namespace, name, function in swapped:
+            namespace[name] = function
+    drawn.extend(label for (label, generator), state in zip(generators, states)
+                 if _state_of(generator) != state)
     if drawn:
         raise CaptureError(
-            f"the forward draws from a global random generator ({', '.join(sorted(set(drawn)))}): "
+            f"the forward draws from a random generator ({', '.join(sorted(set(drawn)))}): "
             "a graph would replay the trace's draw at every step, where eager draws at each call"
         )
 
 
-def _generators() -> list[ModuleType]:
+def _global_draws(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
+    """(namespace, name, label) of the functions that draw from a global generator: those of
+    the `random` and `numpy.random` modules, and those the user's code holds as globals."""
+    owners = {id(_owner(m)) for m in _modules()}
+    for generator_module in _modules():
+        names = vars(generator_module)
+        yield from ((names, name, f"{generator_module.__name__}.{name}")
+                    for name, function in list(names.items())
+                    if name not in _STATE and id(getattr(function, "__self__", None)) in owners)
+    found = {(id(namespace), name): (namespace, name, label)
+             for namespace, name, label in names_read(module)
+             if type(namespace) is dict and name not in _STATE
+             and id(getattr(namespace.get(name), "__self__", None)) in owners
+             and namespace is not vars(random)}
+    yield from found.values()
+
+
+def _own_generators(module: torch.nn.Module) -> list[tuple[str, object]]:
+    """(label, generator) of the generators of their own that the modules hold (as attributes,
+    or in the plain objects they hold) or the user's code reads as globals."""
+    kinds = _generator_types()
+    found: dict[int, tuple[str, object]] = {}
+    for path, submodule in module.named_modules():
+        for name, value in vars(submodule).items():
+            for attribute, held in [(name, value), *_held_by(name, value)]:
+                if isinstance(held, kinds):
+                    found.setdefault(id(held), (f"{path or 'the module'}.{attribute}", held))
+    for namespace, name, label in names_read(module):
+        value = namespace.get(name)
+        if isinstance(value, kinds) and not isinstance(value, random.SystemRandom):
+            found.setdefault(id(value), (label, value))
+    owners = {id(_owner(m)) for m in _modules()}  # the global ones are watched by function
+    return [entry for key, entry in found.items() if key not in owners]
+
+
+def _held_by(name: str, value: object) -> list[tuple[str, object]]:
+    attributes = getattr(value, "__dict__", None)
+    if not attributes or isinstance(value, (torch.nn.Module, type)):
+        return []
+    return [(f"{name}.{key}", item) for key, item in attributes.items()]
+
+
+def _state_of(generator: object) -> bytes:
+    if isinstance(generator, random.Random):
+        return pickle.dumps(generator.getstate())
+    if hasattr(generator, "bit_generator"):  # numpy.random.Generator
+        return pickle.dumps(generator.bit_generator.state)
+    return pickle.dumps(generator.get_state())  # numpy.random.RandomState
+
+
+def _generator_types() -> tuple[type, ...]:
+    kinds: list[type] = [random.Random]
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        kinds += [numpy_random.Generator, numpy_random.RandomState]
+    return tuple(kinds)
+
+
+def _modules() -> list[ModuleType]:
     found = [random]
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
@@ -66,9 +139,13 @@ def _owner(module: ModuleType) -> object:
 
 def _recording(function: Callable[..., Any], name: str, thread: int,
                drawn: list[str]) -> Callable[..., Any]:
+    """`function`, recording a call from `thread`, which draws from a copy of the generator:
+    the trace that is to be refused leaves the user's stream of numbers as it was."""
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == thread:
-            drawn.append(name)
-        return function(*args, **kwargs)
+        if threading.get_ident() != thread:
+            return function(*args, **kwargs)
+        drawn.append(name)
+        return getattr(copy.deepcopy(function.__self__), function.__name__)(*args, **kwargs)
 
+    recorded.__wrapped__ = function  # type: ignore[attr-defined]
     return recorded
