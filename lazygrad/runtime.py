@@ -118,11 +118,13 @@ NUMBER_VALUES = 8
 class BuildFailed(Exception):
     """Graphs for a signature could not be built or checked: the signature falls back.
 
-    `where`: the submodule whose code failed (`CaptureError.where`), if known."""
+    `where`: the submodule whose code failed (`CaptureError.where`), if known; `sizes`: a trace
+    for the call's exact sizes may succeed (`CaptureError.sizes`)."""
 
-    def __init__(self, reason: str, where: str | None = None) -> None:
+    def __init__(self, reason: str, where: str | None = None, sizes: bool = False) -> None:
         super().__init__(reason)
         self.where = where
+        self.sizes = sizes
 
 
 class Runtime:
@@ -143,6 +145,8 @@ class Runtime:
         self._pairs = GraphCache(self.options.cache_size, self._count_eviction)
         self._fallbacks: dict[Signature, str] = {}
         self._broken: dict[Signature, str] = {}  # signatures run in parts, and why
+        # signatures whose trace failed with sizes as symbols: each call's exact sizes are its own
+        self._exact_sizes: set[Signature] = set()
         self._parts: list[tuple[str, Runtime]] | None = None  # made at the first break
         self._doomed: tuple[str, bool, list[str]] | None = None  # see `doom`
         self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
@@ -168,6 +172,7 @@ class Runtime:
             self._pairs.clear()
             self._fallbacks.clear()
             self._broken.clear()
+            self._exact_sizes.clear()
             self._doomed = None
             self._building.clear()
             self._generation += 1
@@ -257,6 +262,8 @@ class Runtime:
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
     ) -> Any:
         with self._lock:
+            if signature in self._exact_sizes:
+                signature = signature.with_shapes(call.tensors)
             reason = self._fallbacks.get(signature)
             broken = signature in self._broken
             entry = self._entries.get(signature)
@@ -358,7 +365,7 @@ class Runtime:
             except BuildFailed as failure:
                 # Found at build time, inside this backward: this step's gradients come from
                 # eager PyTorch, and the next call of the signature no longer runs whole.
-                self._give_up(signature, str(failure), failure.where)
+                self._give_up(signature, str(failure), failure.where, failure.sizes)
                 return None
             if found is not None and self.options.policy != "all":
                 entry.plan = mask
@@ -458,7 +465,7 @@ class Runtime:
             pair = self._pair_for(signature, entry, wanted, primals,
                                   cotangents if wanted == mask else None, device)
         except BuildFailed as failure:
-            self._give_up(signature, str(failure), failure.where)
+            self._give_up(signature, str(failure), failure.where, failure.sizes)
             return
         if pair is not None:
             with self._lock:
@@ -542,7 +549,8 @@ class Runtime:
                 if mask is not None and entry.plan is None:
                     entry.plan = mask
                 return
-        self._give_up(signature, str(failure), getattr(failure, "where", None))
+        self._give_up(signature, str(failure), getattr(failure, "where", None),
+                      getattr(failure, "sizes", False))
 
     def _add(self, key: tuple[Signature, Mask | None], built: PairEntry,
              traced: bool = True) -> None:
@@ -584,7 +592,8 @@ class Runtime:
             pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
                                                device, module, background, eager_outputs)
         except (CaptureError, VerificationError, GraphRunError) as error:
-            raise BuildFailed(str(error), getattr(error, "where", None)) from error
+            raise BuildFailed(str(error), getattr(error, "where", None),
+                              getattr(error, "sizes", False)) from error
         except Exception as error:  # a bug of ours: the signature stays eager, never a crash
             # in the step that waited for the build (torch failing to run a captured graph in
             # the check raised from the user's backward)
@@ -654,6 +663,7 @@ class Runtime:
                 recompute=self.options.policy == "recompute",
                 static_shapes=signature.shapes is not None,
                 sized_of=sized_numbers,
+                own_roots=entry.aliasing.own_roots(),
             )
         if captured.sized and captured.numbers != entry.template.number_count:
             raise CaptureError(
@@ -824,14 +834,25 @@ class Runtime:
         self._give_up(signature, reason, where)
         return result
 
-    def _give_up(self, signature: Signature, reason: str, where: str | None = None) -> None:
+    def _give_up(self, signature: Signature, reason: str, where: str | None = None,
+                 sizes: bool = False) -> None:
         """The signature cannot run through ORT whole: run it in parts if the module has any
         (`parts.py`), else in eager PyTorch for good. One warning per reason.
 
         `where`: the submodule whose code failed. Every submodule of its class is then known to
         fail too (same code): those and the parts holding them go straight to their own parts
         or to eager PyTorch at their first call, without a capture that would fail again.
+        `sizes`: the trace failed with its sizes as symbols (`BuildFailed.sizes`); a signature
+        that has them so is traced again for each call's exact sizes, as a signature is when a
+        call breaks what its trace assumed of them, and gives up only if that fails too.
         """
+        if sizes and signature.shapes is None:
+            with self._lock:
+                self._exact_sizes.add(signature)
+                self._entries.pop(signature, None)
+                for key in [k for k in self._pairs if k[0] == signature]:
+                    self._pairs.pop(key, None)
+            return
         cause = reason
         reason = f"{type(self.module).__name__}: {reason}"
         culprits = self._culprits(where)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import assert_close, compose_loss, lazy_copy, reference_vjp
+from conftest import assert_close, compose_loss, lazy_copy, reference_vjp, sum_step_like_eager
 
 import lazygrad
 from lazygrad.examples.models import BertConfig, BertPretraining, MoELayer, bert_batch
@@ -93,3 +93,29 @@ def test_a_trace_that_bakes_sizes_in_is_exported_once_per_size_and_stays_exact()
         assert_close(lazy.linear.weight.grad, eager.linear.weight.grad, f"grad at batch {batch}")
     stats = lazygrad.stats(lazy)
     assert (stats.exports, stats.fallbacks) == (2, 0)
+
+
+class PositionTables(torch.nn.Module):
+    """Keeps a position table per sequence length in a dict keyed by the length: with the
+    length a symbol the trace fails (a symbol is no dict key), for the exact length it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.tables = {n: torch.sin(torch.arange(n * 8.0).reshape(n, 8)) for n in (6, 9)}
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x) + self.tables[x.shape[1]])
+
+
+def test_a_trace_that_fails_on_symbolic_sizes_is_done_for_each_exact_size():
+    """It ran in parts before (its Linear alone through ORT, the rest eagerly), with a tracing
+    failure as its reason; now each length gets graphs of its own."""
+    torch.manual_seed(0)
+    eager = PositionTables()
+    lazy = lazy_copy(eager)
+    for step, length in enumerate((6, 6, 6, 9, 9, 6)):
+        sum_step_like_eager(lazy, eager, (torch.randn(2, length, 8),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks, stats.exports) == (0, 0, 2)
+    assert stats.hits == 3  # the first call of each length runs eagerly and builds

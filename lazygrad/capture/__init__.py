@@ -133,6 +133,7 @@ def capture(
     recompute: bool = False,
     static_shapes: bool = False,
     sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
+    own_roots: Sequence[bool] = (),
 ) -> Captured:
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
@@ -142,7 +143,8 @@ def capture(
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
-    fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of)
+    fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of,
+                          own_roots)
     count = len(state_names)
     dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
     training = mask is not None and any(mask)

@@ -56,6 +56,11 @@ class Aliasing:
     def normalized(self, mask: Sequence[bool]) -> tuple[bool, ...]:
         return self.output_mask(self.root_mask(mask))
 
+    def own_roots(self) -> tuple[bool, ...]:
+        """Per output, whether it is a root itself (not a view, nor an input)."""
+        return tuple(kind == "root" and not view
+                     for (kind, _), view in zip(self.sources, self.views))
+
     def remake(self, outputs: Sequence[torch.Tensor], roots: Sequence[torch.Tensor]
                ) -> list[torch.Tensor]:
         """`outputs` (eager's) made again from `roots` (eager's behind a probe): each view

@@ -173,13 +173,17 @@ def trace(
         except CaptureError:
             raise
         except Exception as error:
-            raise CaptureError(describe(error), failing_submodule(error, names)) from error
+            raise CaptureError(describe(error), failing_submodule(error, names),
+                               sizes=any(dynamic) and not _data_dependent(error)) from error
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
         _refuse_data_dependent_sizes(graph)
         untranslatable = _untranslatable(graph)
-        guards = size_guards(mode.shape_env, where)
+        try:
+            guards = size_guards(mode.shape_env, where)
+        except CaptureError as error:
+            raise CaptureError(str(error), sizes=True) from error
         if training and "joint" in got:
             return Traced(got["joint"], True, got["num_forward_outputs"], mutated, outputs, where,
                           guards, untranslatable, mode)
@@ -344,15 +348,20 @@ def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[s
     return sorted(set(codes))
 
 
-def describe(error: Exception) -> str:
-    """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
+def _data_dependent(error: Exception) -> bool:
     message = str(error).strip().split("\n\n")[0]
-    if (
+    return (
         isinstance(error, private.GuardOnDataDependentSymNode)
         or type(error).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
         or "data-dependent" in message
         or "data dependent" in message
-    ):
+    )
+
+
+def describe(error: Exception) -> str:
+    """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
+    message = str(error).strip().split("\n\n")[0]
+    if _data_dependent(error):
         return (
             "the forward depends on tensor values (a branch or loop on a tensor's value, "
             "`nonzero()` sizes, `.item()` or `.tolist()`), which one graph cannot capture: "
@@ -422,6 +431,12 @@ class Functional:
     `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
     numbers of a result that are sizes. A root that no output in `mask` is made from is
     detached; `mask` None: no root is (an inference trace, or eager's backward).
+
+    `own_roots`: the outputs that eager made as tensors of their own. The trace may make such
+    an output a view of an intermediate where eager does not: the decomposition of a batched
+    `matmul` folds the batch and views the result back, where eager's kernel returns an
+    `_unsafe_view`, which is no view. Such an output is cloned, so it is a root here as in
+    eager (`h @ h.transpose(1, 2)` returned by a module ran in parts before).
     """
 
     def __init__(
@@ -433,11 +448,13 @@ class Functional:
         tensors_of: Callable[[Any], list[torch.Tensor]],
         mask: Sequence[bool] | None,
         sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
+        own_roots: Sequence[bool] = (),
     ) -> None:
         self.original = _Original(module, forward)
         self.names = [f"inner.{name}" for name in state_names]
         self.rebuild, self.tensors_of, self.sized_of = rebuild, tensors_of, sized_of
         self.mask = mask
+        self.own_roots = own_roots
         self.aliasing: aliases.Aliasing | None = None
         self.differentiable: list[bool] = []
         self.sized: list[tuple[int, str]] = []
@@ -456,6 +473,9 @@ class Functional:
                 "a list argument): ORT steps run no Python, so the caller's would stay as it was"
             )
         outputs = self.tensors_of(result)
+        if len(self.own_roots) == len(outputs):
+            outputs = [output.clone() if own and output._base is not None else output
+                       for output, own in zip(outputs, self.own_roots)]
         self.aliasing, roots = aliases.aliasing(outputs, primals)
         self.numbers, sized = self.sized_of(result)
         self.sized = [(at, symbols.to_code(value)) for at, value in sized]
