@@ -119,3 +119,29 @@ def test_a_trace_that_fails_on_symbolic_sizes_is_done_for_each_exact_size():
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks, stats.exports) == (0, 0, 2)
     assert stats.hits == 3  # the first call of each length runs eagerly and builds
+
+
+class SpanOfTheLength(torch.nn.Module):
+    """Slices a position table by `torch.tensor(min(length, span))`, as DeBERTa does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Parameter(torch.randn(64, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        span = torch.tensor(min(x.size(1), 32))
+        return self.proj(x) @ self.positions[0: span * 2, :].t()
+
+
+def test_a_size_made_a_tensor_and_read_back_is_a_size_not_data():
+    """The trace's decomposition of `torch.tensor` made the span unknown data: the module ran
+    in parts ("depends on tensor values"). Now each length is exact through ORT."""
+    torch.manual_seed(0)
+    eager = SpanOfTheLength()
+    lazy = lazy_copy(eager)
+    for step, length in enumerate((6, 6, 9, 9, 40, 40, 6)):
+        sum_step_like_eager(lazy, eager, (torch.randn(2, length, 8),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 0)
+    assert stats.hits == 4

@@ -6,8 +6,9 @@ class CaptureError(RuntimeError):
 
     `where`: the qualified name of the innermost submodule whose code failed ("" for the module
     itself, None where unknown), so the runtime can capture around it (`parts.py`).
-    `sizes`: the trace failed with sizes as symbols, not on tensor values: one for the call's
-    exact sizes may succeed (a reshape by a size the config fixes, as Nystromformer's landmarks).
+    `sizes`: the trace failed with sizes as symbols: one for the call's exact sizes may succeed
+    (a size made a tensor's value, as DeBERTa's attention span, is data to a trace with
+    symbols; a size used as a dict key).
     """
 
     def __init__(self, message: str, where: str | None = None, sizes: bool = False) -> None:

@@ -67,6 +67,10 @@ def decompositions() -> dict:
     # Lifted whole, so that their draws are eager's (draws.py).
     for op in [aten.native_dropout.default, *draws.NOT_DECOMPOSED]:
         table.pop(op, None)
+    # `torch.tensor(n)` of a size stays a constant of the trace, as AOTAutograd tracks it, so
+    # the number read back from it is n: DeBERTa slices its position table by
+    # `torch.tensor(min(length, span))` (decomposed, the slice's bound was unknown data).
+    table.pop(aten.lift_fresh.default, None)
     table.update(lowerings.TABLE)
     return table
 
@@ -174,7 +178,7 @@ def trace(
             raise
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
-                               sizes=any(dynamic) and not _data_dependent(error)) from error
+                               sizes=any(dynamic)) from error
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
@@ -348,20 +352,15 @@ def size_guards(shape_env: private.ShapeEnv, where: symbols.Locations) -> list[s
     return sorted(set(codes))
 
 
-def _data_dependent(error: Exception) -> bool:
+def describe(error: Exception) -> str:
+    """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
     message = str(error).strip().split("\n\n")[0]
-    return (
+    if (
         isinstance(error, private.GuardOnDataDependentSymNode)
         or type(error).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
         or "data-dependent" in message
         or "data dependent" in message
-    )
-
-
-def describe(error: Exception) -> str:
-    """A one-paragraph reason for a failed trace, naming data-dependent constructs plainly."""
-    message = str(error).strip().split("\n\n")[0]
-    if _data_dependent(error):
+    ):
         return (
             "the forward depends on tensor values (a branch or loop on a tensor's value, "
             "`nonzero()` sizes, `.item()` or `.tolist()`), which one graph cannot capture: "
