@@ -55,9 +55,11 @@ from lazygrad.signature import (
     FlatCall,
     LastSignature,
     Signature,
+    exact_shapes,
     flatten_call,
     leaf_names,
     opaque_leaf,
+    sizes_for,
 )
 from lazygrad.stats import EntryStats, Stats
 from lazygrad.step import Step, set_generator_state
@@ -143,10 +145,18 @@ class Runtime:
         self.stats = Stats()
         self._entries: dict[Signature, SignatureEntry] = {}
         self._pairs = GraphCache(self.options.cache_size, self._count_eviction)
+        # signatures (without their sizes: every size of one fails alike) that fall back, or
+        # run in parts, and why
         self._fallbacks: dict[Signature, str] = {}
-        self._broken: dict[Signature, str] = {}  # signatures run in parts, and why
-        # signatures whose trace failed with sizes as symbols: each call's exact sizes are its own
+        self._broken: dict[Signature, str] = {}
+        # per signature without its sizes: the sizes its graphs are specialised on
+        # (`signature.sizes_for`); those whose trace failed with sizes as symbols get none, each
+        # call's exact sizes are its own
+        self._sizes: dict[Signature, tuple[tuple[int | None, ...], ...]] = {}
         self._exact_sizes: set[Signature] = set()
+        # the last (signature, sizes, signature with the sizes): the same object while they
+        # repeat, so cache lookups hit on identity (`LastSignature`)
+        self._last_sized: tuple[Signature, tuple, Signature] | None = None
         self._parts: list[tuple[str, Runtime]] | None = None  # made at the first break
         self._doomed: tuple[str, bool, list[str]] | None = None  # see `doom`
         self._building: dict[tuple[Signature, Mask | None], concurrent.futures.Future] = {}
@@ -172,7 +182,9 @@ class Runtime:
             self._pairs.clear()
             self._fallbacks.clear()
             self._broken.clear()
+            self._sizes.clear()
             self._exact_sizes.clear()
+            self._last_sized = None
             self._doomed = None
             self._building.clear()
             self._generation += 1
@@ -258,22 +270,41 @@ class Runtime:
             signature = self._signatures.of(call, state, modes)
         return self._call(signature, call, state, args, kwargs)
 
+    def _sized(self, signature: Signature, tensors: list[torch.Tensor]) -> Signature:
+        """The signature with the sizes its graphs are specialised on for this call: the first
+        call's, and symbols for those later calls change (`signature.sizes_for`). Under the
+        lock."""
+        shapes = exact_shapes(tensors)
+        if signature in self._exact_sizes:
+            return signature.with_shapes(shapes)
+        known = self._sizes.get(signature)
+        sizes = sizes_for(known, shapes)
+        if sizes is not known:
+            self._sizes[signature] = sizes
+        last = self._last_sized
+        if last is not None and last[0] is signature and last[1] is sizes:
+            return last[2]
+        sized = signature.with_shapes(sizes)
+        self._last_sized = (signature, sizes, sized)
+        return sized
+
     def _call(
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
     ) -> Any:
         with self._lock:
-            if signature in self._exact_sizes:
-                signature = signature.with_shapes(call.tensors)
-            reason = self._fallbacks.get(signature)
-            broken = signature in self._broken
+            unsized = _unsized(signature)
+            reason = self._fallbacks.get(unsized)
+            broken = unsized in self._broken
+            if signature.shapes is None:
+                signature = self._sized(signature, call.tensors)
             entry = self._entries.get(signature)
             number, plan = self._plan(signature, entry) if entry is not None else (0, None)
             found = self._pairs.get((signature, plan)) if entry is not None else None
         if reason is None and not broken and entry is None and self._doomed is not None:
             self._run_doomed(signature)
             with self._lock:
-                reason = self._fallbacks.get(signature)
-                broken = signature in self._broken
+                reason = self._fallbacks.get(unsized)
+                broken = unsized in self._broken
         if reason is not None:
             return self._eager(args, kwargs)
         if broken:
@@ -293,7 +324,8 @@ class Runtime:
         env = pair.sizes(primals)
         if not pair.holds_for(env):
             # The trace assumed something of the sizes that this call breaks: exact sizes.
-            return self._call(signature.with_shapes(call.tensors), call, state, args, kwargs)
+            return self._call(signature.with_shapes(exact_shapes(call.tensors)), call, state,
+                              args, kwargs)
         device = entry.device
         try:
             if signature.grad:
@@ -661,7 +693,7 @@ class Runtime:
                 tensors_of,
                 mask,
                 recompute=self.options.policy == "recompute",
-                static_shapes=signature.shapes is not None,
+                dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
             )
@@ -842,13 +874,13 @@ class Runtime:
         `where`: the submodule whose code failed. Every submodule of its class is then known to
         fail too (same code): those and the parts holding them go straight to their own parts
         or to eager PyTorch at their first call, without a capture that would fail again.
-        `sizes`: the trace failed with its sizes as symbols (`BuildFailed.sizes`); a signature
-        that has them so is traced again for each call's exact sizes, as a signature is when a
-        call breaks what its trace assumed of them, and gives up only if that fails too.
+        `sizes`: the trace failed with sizes as symbols (`BuildFailed.sizes`); the signature
+        is traced again for each call's exact sizes, as a signature is when a call breaks what
+        its trace assumed of them, and gives up only if that fails too.
         """
-        if sizes and signature.shapes is None:
+        if sizes and signature.shapes is not None and None in sum(signature.shapes, ()):
             with self._lock:
-                self._exact_sizes.add(signature)
+                self._exact_sizes.add(signature.with_shapes(None))
                 self._entries.pop(signature, None)
                 for key in [k for k in self._pairs if k[0] == signature]:
                     self._pairs.pop(key, None)
@@ -922,7 +954,10 @@ class Runtime:
 
     def _record(self, signature: Signature, reason: str, in_parts: bool) -> bool:
         """Record a break or fallback (and drop the signature's graphs); False if the signature
-        was recorded already or the reason is known (no new warning is due)."""
+        was recorded already or the reason is known (no new warning is due). It is recorded
+        for the signature without its sizes: a failure that exact sizes do not mend is every
+        size's."""
+        signature = _unsized(signature)
         with self._lock:
             if signature in self._fallbacks or signature in self._broken:
                 return False
@@ -935,7 +970,7 @@ class Runtime:
                 self.stats.fallbacks += 1
             if not known:
                 self.stats.reasons.append(reason)
-            for key in [k for k in self._pairs if k[0] == signature]:
+            for key in [k for k in self._pairs if _unsized(k[0]) == signature]:
                 self._pairs.pop(key, None)
         return not known
 
@@ -987,6 +1022,10 @@ class _FirstBackward:
         mask = self.entry.aliasing.output_mask([c is not None for c in cotangents])
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
                                     tuple(cotangents), self.device)
+
+
+def _unsized(signature: Signature) -> Signature:
+    return signature if signature.shapes is None else signature.with_shapes(None)
 
 
 def _structure_copy(module: torch.nn.Module) -> torch.nn.Module:

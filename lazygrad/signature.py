@@ -4,10 +4,13 @@ A graph captured for one call serves another call when the two agree on the modu
 attributes (train/eval flags among them), grad mode, the autocast state, the structure of the
 arguments, every tensor's dtype, rank, device, requires_grad, which of its sizes are 0 or 1
 and its layout (contiguous, or the order of its strides), every non-tensor argument's value,
-and the parameters' dtypes, shapes, devices, requires_grad and layouts. Other sizes are not part of
-the key: graphs are traced with symbolic sizes, and the conditions the trace put on them are
-checked per call (`GraphPair.holds_for`); a call that breaks them gets a graph for its exact
-sizes (`with_shapes`).
+and the parameters' dtypes, shapes, devices, requires_grad and layouts. Its other sizes are
+`shapes`, which the runtime fills in per call (`sizes_for`): at first the exact sizes of the
+first call, as torch.compile specialises a first compilation (a trace with every size a
+symbol took Swin's window arithmetic 174 s, against seconds for exact sizes); a size that a
+later call changes becomes a symbol from then on, so one graph serves every batch size and
+sequence length after the first change. The conditions a trace put on its symbols are checked
+per call (`GraphPair.holds_for`); a call that breaks them gets a graph for its exact sizes.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class Signature:
     constants: tuple[Hashable, ...]
     state: tuple[StateMeta, ...]
     state_layouts: tuple[tuple[int, ...], ...]  # () while every state tensor is contiguous
-    shapes: tuple[tuple[int, ...], ...] | None = None
+    # per call tensor, each size: the int the graphs are specialised on, or None for a symbol
+    shapes: tuple[tuple[int | None, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         # A signature is hashed by every cache lookup of a call: once is enough.
@@ -76,8 +80,31 @@ class Signature:
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
 
-    def with_shapes(self, tensors: list[torch.Tensor]) -> Signature:
-        return dataclasses.replace(self, shapes=tuple(tuple(t.shape) for t in tensors))
+    def with_shapes(self, shapes: tuple[tuple[int | None, ...], ...] | None) -> Signature:
+        return dataclasses.replace(self, shapes=shapes)
+
+    @property
+    def dynamic_dims(self) -> list[list[bool]]:
+        """Per call tensor, which of its sizes are symbols."""
+        assert self.shapes is not None
+        return [[size is None for size in sizes] for sizes in self.shapes]
+
+
+def exact_shapes(tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+def sizes_for(known: tuple[tuple[int | None, ...], ...] | None,
+              shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int | None, ...], ...]:
+    """The sizes a signature's graphs are specialised on, given those known so far (None: this
+    is its first call) and this call's `shapes`: `known` if the call fits it, else with the
+    sizes it differs in made symbols."""
+    if known is None:
+        return shapes
+    if all(k is None or k == s for ks, ss in zip(known, shapes) for k, s in zip(ks, ss)):
+        return known
+    return tuple(tuple(k if k == s else None for k, s in zip(ks, ss))
+                 for ks, ss in zip(known, shapes))
 
 
 @dataclasses.dataclass

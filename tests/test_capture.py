@@ -72,7 +72,9 @@ class SizeDerivedAttention(torch.nn.Module):
         return self.proj(y.transpose(1, 2).reshape(batch, seq, self.width))
 
 
-def test_size_derived_python_values_branches_and_asserts_run_through_ort_with_one_export():
+def test_size_derived_python_values_branches_and_asserts_run_through_ort_with_two_exports():
+    """The first shape's exact sizes, then sizes as symbols: one graph serves every later batch
+    size and sequence length > 1."""
     torch.manual_seed(0)
     eager = SizeDerivedAttention()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
@@ -82,8 +84,8 @@ def test_size_derived_python_values_branches_and_asserts_run_through_ort_with_on
         _step(lazy, eager, (x,), loss_of, f"shape {(batch, seq)}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0
-    assert stats.exports == 1, "one graph serves every batch size and sequence length > 1"
-    assert stats.builds == 1, "one signature, one grad mask"
+    assert stats.exports == 2, "exact sizes, then one graph for every size > 1"
+    assert stats.builds == 2 and stats.hits == 2, "one grad mask"
     # Sequence length 1 takes the other branch: a new capture is fine, a wrong result is not.
     for batch in (2, 3, 2):
         x = torch.randn(batch, 1, 8)

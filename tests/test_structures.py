@@ -235,4 +235,5 @@ def test_sizes_among_the_outputs_are_this_calls_sizes():
             assert_close(p.grad, q.grad, f"step {step} {name}")
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 0 and stats.fallbacks == 0, stats.reasons
-    assert stats.hits == 4
+    assert stats.hits == 3  # (2, 4) exact; at (3, 5) sizes become symbols: its graph serves
+    # the last two calls

@@ -131,7 +131,7 @@ def capture(
     tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
     recompute: bool = False,
-    static_shapes: bool = False,
+    dynamic_dims: Sequence[Sequence[bool]] = (),
     sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
     own_roots: Sequence[bool] = (),
 ) -> Captured:
@@ -139,14 +139,16 @@ def capture(
 
     `primals`: the module state (named `state_names`) then the call's tensors; `rebuild` turns
     the call's tensors back into (args, kwargs), `tensors_of` lists a result's tensors. `mask`
-    None: an inference graph. The module is left exactly as it was, whatever happens.
+    None: an inference graph. `dynamic_dims`: per call tensor, which of its sizes are symbols
+    (none if empty). The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
     fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of,
                           own_roots)
     count = len(state_names)
-    dynamic = [False] * count + [not static_shapes] * (len(primals) - count)
+    dynamic = [[False] * p.dim() for p in primals[:count]]
+    dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
     training = mask is not None and any(mask)
     with escapes.watching() as made, python_random.refusing_draws(module), trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)

@@ -102,15 +102,17 @@ def onnx_registry() -> Any:
 
 
 def fake_primals(
-    primals: Sequence[torch.Tensor], dynamic: Sequence[bool], mode: private.FakeTensorMode
+    primals: Sequence[torch.Tensor], dynamic: Sequence[Sequence[bool]],
+    mode: private.FakeTensorMode
 ) -> list[torch.Tensor]:
-    """Fake copies of `primals`; those flagged in `dynamic` get a symbol for every dimension."""
+    """Fake copies of `primals`; the sizes flagged in `dynamic` (per primal, per dimension) are
+    symbols."""
     fakes = []
-    for tensor, is_dynamic in zip(primals, dynamic):
-        if is_dynamic and tensor.dim():
-            context = private.StatelessSymbolicContext(
-                dynamic_sizes=[private.DimDynamic.DYNAMIC] * tensor.dim()
-            )
+    for tensor, dims in zip(primals, dynamic):
+        if any(dims):
+            context = private.StatelessSymbolicContext(dynamic_sizes=[
+                private.DimDynamic.DYNAMIC if flag else private.DimDynamic.STATIC
+                for flag in dims])
             fake = mode.from_tensor(tensor, symbolic_context=context)
         else:
             fake = mode.from_tensor(tensor, static_shapes=True)
@@ -126,7 +128,7 @@ _lock = threading.Lock()
 def trace(
     fn: Callable[..., tuple[torch.Tensor, ...]],
     primals: Sequence[torch.Tensor],
-    dynamic: Sequence[bool],
+    dynamic: Sequence[Sequence[bool]],
     training: bool,
     module: torch.nn.Module,
 ) -> Traced:
@@ -178,7 +180,7 @@ def trace(
             raise
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
-                               sizes=any(dynamic)) from error
+                               sizes=any(map(any, dynamic))) from error
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
