@@ -149,3 +149,20 @@ def test_a_size_made_a_tensor_and_read_back_is_a_size_not_data():
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert stats.hits == 4
+
+
+def test_only_the_sizes_a_call_changes_become_symbols():
+    """A batch of images of one size: the batch becomes a symbol at its first change, the
+    channels, height and width stay exact (a trace with them as symbols costs Swin's window
+    arithmetic minutes)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False),
+                                torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(4, 2))
+    lazy = lazy_copy(eager)
+    for step, batch in enumerate((2, 2, 3, 4, 2)):
+        sum_step_like_eager(lazy, eager, (torch.randn(batch, 3, 16, 16),), f"step {step}")
+    shapes = {signature.shapes for signature, _ in lazygrad.api.runtime_of(lazy)._pairs}
+    assert shapes == {((2, 3, 16, 16),), ((None, 3, 16, 16),)}
+    assert lazygrad.stats(lazy).hits == 3
