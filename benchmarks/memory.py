@@ -174,11 +174,14 @@ def _mark_build_stages(timeline: Timeline) -> None:
 
 def probe_train(
     workload: str, config: str, loop: str, batch: int, steps: int, stages: bool = False,
-    segments: int | None = None,
+    segments: int | None = None, then_batch: int | None = None,
 ) -> dict:
     """A plain training loop, as a user writes it, with the timeline of its resident set;
     `stages`: also mark the build's stages (a diagnostic run, not a figure of the tables);
-    `segments`: lazygrad's backward segments (None: its default)."""
+    `segments`: lazygrad's backward segments (None: its default); `then_batch`: one more step
+    at that batch size, its graphs built before the process ends (a run that fills the disk
+    cache for later processes at other batch sizes: lazygrad makes the batch size a symbol
+    where it changed, and the index keeps it so)."""
     timeline = Timeline()
     timeline.mark("python")
     import torch
@@ -227,6 +230,12 @@ def probe_train(
         timeline.mark(f"step {index}")
         served.append(lazygrad.stats(model).hits if lazy else 0)
         index += 1
+    if then_batch is not None:
+        ids, mlm_labels, nsp_labels = models.bert_batch(bert, batch=then_batch, seq=shape.seq)
+        out = model(ids, mlm_labels, nsp_labels)
+        (F.cross_entropy(out[2], nsp_labels) if shape.trains == "nsp" else out[0]).backward()
+        if lazy:
+            lazygrad.wait_for_builds(model)
     result = {"timeline": timeline.points, "step_s": seconds, "served": served}
     if lazy:
         stats = lazygrad.stats(model)
@@ -600,9 +609,9 @@ def _say(start: float, message: str) -> None:
 
 
 def _train_spec(workload: str, config: str, loop: str, batch: int, steps: int,
-                stages: bool = False) -> dict:
+                stages: bool = False, then_batch: int | None = None) -> dict:
     return {"kind": "train", "workload": workload, "config": config, "loop": loop,
-            "batch": batch, "steps": steps, "stages": stages}
+            "batch": batch, "steps": steps, "stages": stages, "then_batch": then_batch}
 
 
 def _checked(run: Run) -> Run:

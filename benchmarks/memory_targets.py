@@ -12,9 +12,10 @@ measures the targets' figures (about 45 minutes; `--no-batches`: the peaks alone
 - Largest batch within eager's batch-16 peak (keep loop), bisected, every probe a fresh process
   whose whole-process peak is compared with that budget: eager, lazygrad's default policy and
   `policy="all"` (ORTModule's pessimistic stash). Lazygrad's probes run warm, on the disk cache a
-  batch-16 training filled: graphs are traced with symbolic sizes, so a process at another batch
-  is served by them from its first step, as a user's next run is after a first one at any batch
-  (the cold first run is the peaks' "cold" column).
+  batch-16 training filled whose last step was at batch 15: the batch size became a symbol there,
+  and the disk index keeps it so, so a process at another batch is served by those graphs from
+  its first step, as a user's next run is after a first one whose batch size varied (the cold
+  first run is the peaks' "cold" column).
 
 Prints JSON lines and writes `results/memory-targets.md`.
 """
@@ -36,9 +37,10 @@ PROBES = 4
 
 
 def peak(workload: str, config: str, batch: int, loop: str = "keep",
-         cache: str | None = None) -> memory.Run:
+         cache: str | None = None, then_batch: int | None = None) -> memory.Run:
     return memory._checked(memory.run_fresh(
-        memory._train_spec(workload, config, loop, batch, STEPS), cache=cache))
+        memory._train_spec(workload, config, loop, batch, STEPS, then_batch=then_batch),
+        cache=cache))
 
 
 def largest_batch(workload: str, config: str, budget: float, cache: str | None) -> memory.Search:
@@ -63,9 +65,10 @@ def batch_rows(peaks: dict) -> list[str]:
         searches = {}
         for config in SEARCHED:
             cache = None
-            if config != "eager":  # a batch-16 training fills the cache the probes read
+            if config != "eager":  # a batch-16 training fills the cache the probes read; its
+                # last step, at batch 15, makes the batch size a symbol (`peak`'s then_batch)
                 cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
-                peak(workload, config, batch, cache=cache)
+                peak(workload, config, batch, cache=cache, then_batch=batch - 1)
             searches[config] = largest_batch(workload, config, budget, cache)
         for config, search in searches.items():
             ratio = ("1.00" if config == "eager"

@@ -85,6 +85,12 @@ def pair_key(key: str, mask: tuple[bool, ...] | None) -> str:
     return hashlib.sha256(repr((key, mask)).encode()).hexdigest()
 
 
+def sizes_key(key: str) -> str:
+    """The key of the record of which sizes were symbols for a signature (`key`: of the
+    signature without its sizes)."""
+    return hashlib.sha256(repr((key, "sizes")).encode()).hexdigest()
+
+
 def _code(cls: type) -> list[tuple[str, str | None, str]]:
     """(qualified class name, its package's version, its source file's hash) along the MRO."""
     found = []

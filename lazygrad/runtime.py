@@ -45,7 +45,7 @@ from lazygrad.forecast import MaskForecast
 from lazygrad.function import LazyFunction, behind_probe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import GraphPair
-from lazygrad.index_key import index_key, pair_key
+from lazygrad.index_key import index_key, pair_key, sizes_key
 from lazygrad.module_state import ModuleState, plain_attributes
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, sized_numbers, tensors_of
@@ -153,6 +153,7 @@ class Runtime:
         # (`signature.sizes_for`); those whose trace failed with sizes as symbols get none, each
         # call's exact sizes are its own
         self._sizes: dict[Signature, tuple[tuple[int | None, ...], ...]] = {}
+        self._sizes_keys: dict[Signature, str | None] = {}  # their records in the disk index
         self._exact_sizes: set[Signature] = set()
         # the last (signature, sizes, signature with the sizes): the same object while they
         # repeat, so cache lookups hit on identity (`LastSignature`)
@@ -183,6 +184,7 @@ class Runtime:
             self._fallbacks.clear()
             self._broken.clear()
             self._sizes.clear()
+            self._sizes_keys.clear()
             self._exact_sizes.clear()
             self._last_sized = None
             self._doomed = None
@@ -270,23 +272,48 @@ class Runtime:
             signature = self._signatures.of(call, state, modes)
         return self._call(signature, call, state, args, kwargs)
 
-    def _sized(self, signature: Signature, tensors: list[torch.Tensor]) -> Signature:
+    def _sized(self, signature: Signature, tensors: list[torch.Tensor],
+               state: dict) -> Signature:
         """The signature with the sizes its graphs are specialised on for this call: the first
         call's, and symbols for those later calls change (`signature.sizes_for`). Under the
-        lock."""
+        lock.
+
+        Which sizes were symbols is kept in the disk index: a next process of a training
+        whose batch size or sequence length varied starts with them as symbols, so the graphs
+        the last one built serve its first call at any size (a batch-size search, a run at
+        another batch), as torch.compile's profile of dynamic sizes does."""
         shapes = exact_shapes(tensors)
         if signature in self._exact_sizes:
             return signature.with_shapes(shapes)
         known = self._sizes.get(signature)
+        if known is None and signature not in self._sizes_keys:
+            known = self._sizes_from_disk(signature, state, shapes)
+            if known is not None:
+                self._sizes[signature] = known
         sizes = sizes_for(known, shapes)
         if sizes is not known:
             self._sizes[signature] = sizes
+            key = self._sizes_keys.get(signature)
+            if key is not None and known is not None:  # a size became a symbol
+                self._disk.write_record(key, {"sizes": sizes})
         last = self._last_sized
         if last is not None and last[0] is signature and last[1] is sizes:
             return last[2]
         sized = signature.with_shapes(sizes)
         self._last_sized = (signature, sizes, sized)
         return sized
+
+    def _sizes_from_disk(self, signature: Signature, state: dict,
+                         shapes: tuple[tuple[int, ...], ...]) -> tuple | None:
+        """The sizes an earlier process had made symbols for this signature, if this call fits
+        them (its other sizes are theirs). Remembers the record's key."""
+        key = self._index_key(signature, state)
+        self._sizes_keys[signature] = None if key is None else sizes_key(key)
+        record = self._disk.read_record(sizes_key(key)) if key is not None else None
+        if record is None:
+            return None
+        sizes = tuple(tuple(size) for size in record["sizes"])
+        return sizes if sizes_for(sizes, shapes) is sizes else None
 
     def _call(
         self, signature: Signature, call: FlatCall, state: dict, args: tuple, kwargs: dict
@@ -296,7 +323,7 @@ class Runtime:
             reason = self._fallbacks.get(unsized)
             broken = unsized in self._broken
             if signature.shapes is None:
-                signature = self._sized(signature, call.tensors)
+                signature = self._sized(signature, call.tensors, state)
             entry = self._entries.get(signature)
             number, plan = self._plan(signature, entry) if entry is not None else (0, None)
             found = self._pairs.get((signature, plan)) if entry is not None else None

@@ -219,3 +219,25 @@ def test_the_index_key_reads_the_helper_files_down_to_installed_packages(tmp_pat
     assert sorted(found) == ["project", "project.blocks", "project.consts", "project.deep",
                              "project.late", "project.model"]
     assert "project.late" not in sys.modules  # located without importing it
+
+
+def test_sizes_that_varied_are_symbols_from_a_next_processs_first_call(private_disk_cache):
+    """A first training whose batch size varied made it a symbol; the next one (a new
+    runtime on the same disk cache) starts with it so: its first call, at a batch size the
+    first never ran, is served by the first's graphs through ORT, with no build."""
+    import torch
+    from conftest import lazy_copy, ran_through_ort, sum_step_like_eager
+
+    import lazygrad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    first = lazy_copy(model)
+    for batch in (4, 4, 5, 6):
+        sum_step_like_eager(first, model, (torch.randn(batch, 6),), f"first, batch {batch}")
+    assert lazygrad.stats(first).exports == 2  # exact, then the batch a symbol
+    second = lazy_copy(model)
+    got = sum_step_like_eager(second, model, (torch.randn(9, 6),), "second, batch 9")
+    assert ran_through_ort(got)
+    stats = lazygrad.stats(second)
+    assert (stats.builds, stats.eager_steps, stats.disk_hits) == (0, 0, 1)
