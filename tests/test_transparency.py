@@ -191,6 +191,40 @@ def test_a_submodule_hook_that_keeps_activations_sees_each_steps_real_tensors():
     assert all(part.fallbacks == 0 for part in stats.parts.values())
 
 
+def test_a_submodule_hook_that_counts_in_python_fires_at_every_step():
+    """A call counter and a FLOP counter (Python numbers from shapes) on submodules: traced,
+    they ran once for a whole training (ORT steps run no Python), with no sign of it. Now the
+    model runs in parts and the hooked submodules fire their hooks around their own lazy calls,
+    every step through ORT. (The traces that find out run them too: counts start a little
+    ahead.)"""
+    made = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        counts = {"calls": 0, "flops": 0}
+        net[0].register_forward_hook(
+            lambda module, args, out, c=counts: c.__setitem__("calls", c["calls"] + 1))
+        net[2].register_forward_pre_hook(lambda module, args, c=counts: c.__setitem__(
+            "flops", c["flops"] + args[0].numel() * module.weight.shape[0]))
+        made.append((net, counts))
+    (lazy, lazy_counts), (eager, eager_counts) = made
+    lazy = lazygrad.lazy(lazy, wait_for_builds=True)
+    with pytest.warns(lazygrad.GraphBreakWarning, match="return nothing and compute nothing"):
+        for step in range(6):
+            if step == 3:
+                before = dict(lazy_counts), dict(eager_counts)
+            x = torch.randn(4, 6)
+            for model in (lazy, eager):
+                model.zero_grad(set_to_none=True)
+                model(x).square().sum().backward()
+            assert_grads_equal(lazy, eager, f"step {step}")
+    for counts, start in ((lazy_counts, before[0]), (eager_counts, before[1])):
+        assert counts["calls"] - start["calls"] == 3
+        assert counts["flops"] - start["flops"] == 3 * 4 * 8 * 3
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.parts["0"].hits >= 3 and stats.parts["2"].hits >= 3
+
+
 class Recorded(torch.nn.Module):
     """Records its blocks' outputs through hooks into a collector that lives for one call and
     returns them, as Hugging Face's output recorders do: the hooks' tensors stay in the call."""

@@ -25,6 +25,7 @@ import torch.fx as fx
 from lazygrad.capture import (
     backward_hooks,
     escapes,
+    forward_hooks,
     gelu,
     head,
     node_order,
@@ -150,10 +151,12 @@ def capture(
     dynamic = [[False] * p.dim() for p in primals[:count]]
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
     training = mask is not None and any(mask)
-    with escapes.watching() as made, python_random.refusing_draws(module), trace.unchanged(module):
+    with escapes.watching() as made, python_random.refusing_draws(module), \
+            forward_hooks.watching(module) as side_effects, trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
     # Once the module holds its own tensors again:
     escapes.refuse_kept_tensors(made, traced.mode)
+    forward_hooks.refuse_side_effects(side_effects)  # a hook that keeps a tensor is named above
     trace.refuse_state_read_around_the_swap(traced.joint, module)
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
