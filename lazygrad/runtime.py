@@ -121,12 +121,15 @@ class BuildFailed(Exception):
     """Graphs for a signature could not be built or checked: the signature falls back.
 
     `where`: the submodule whose code failed (`CaptureError.where`), if known; `sizes`: a trace
-    for the call's exact sizes may succeed (`CaptureError.sizes`)."""
+    for the call's exact sizes may succeed (`CaptureError.sizes`); `whole`: the module's parts
+    would fail alike, so none is tried."""
 
-    def __init__(self, reason: str, where: str | None = None, sizes: bool = False) -> None:
+    def __init__(self, reason: str, where: str | None = None, sizes: bool = False,
+                 whole: bool = False) -> None:
         super().__init__(reason)
         self.where = where
         self.sizes = sizes
+        self.whole = whole
 
 
 class Runtime:
@@ -424,7 +427,7 @@ class Runtime:
             except BuildFailed as failure:
                 # Found at build time, inside this backward: this step's gradients come from
                 # eager PyTorch, and the next call of the signature no longer runs whole.
-                self._give_up(signature, str(failure), failure.where, failure.sizes)
+                self._give_up_on(signature, failure)
                 return None
             if found is not None and self.options.policy != "all":
                 entry.plan = mask
@@ -524,7 +527,7 @@ class Runtime:
             pair = self._pair_for(signature, entry, wanted, primals,
                                   cotangents if wanted == mask else None, device)
         except BuildFailed as failure:
-            self._give_up(signature, str(failure), failure.where, failure.sizes)
+            self._give_up_on(signature, failure)
             return
         if pair is not None:
             with self._lock:
@@ -608,8 +611,7 @@ class Runtime:
                 if mask is not None and entry.plan is None:
                     entry.plan = mask
                 return
-        self._give_up(signature, str(failure), getattr(failure, "where", None),
-                      getattr(failure, "sizes", False))
+        self._give_up_on(signature, failure)
 
     def _add(self, key: tuple[Signature, Mask | None], built: PairEntry,
              traced: bool = True) -> None:
@@ -650,7 +652,15 @@ class Runtime:
         try:
             pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
                                                device, module, background, eager_outputs)
-        except (CaptureError, VerificationError, GraphRunError) as error:
+        except GraphRunError as error:
+            if device.type == "cpu" and signature.half_precision:
+                # ORT's CPU provider has next to no bfloat16 or float16 kernels (MatMul, Gemm,
+                # Conv among those missing): every part would build and fail the same way,
+                # one warning each (14 on a 2-layer BERT under CPU autocast).
+                raise BuildFailed(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 "
+                                  "and float16 kernels)", whole=True) from error
+            raise BuildFailed(str(error)) from error
+        except (CaptureError, VerificationError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None),
                               getattr(error, "sizes", False)) from error
         except Exception as error:  # a bug of ours: the signature stays eager, never a crash
@@ -893,8 +903,14 @@ class Runtime:
         self._give_up(signature, reason, where)
         return result
 
+    def _give_up_on(self, signature: Signature, failure: BaseException) -> None:
+        """`_give_up` with what a failed build says (`BuildFailed`; another exception: its
+        message)."""
+        self._give_up(signature, str(failure), getattr(failure, "where", None),
+                      getattr(failure, "sizes", False), getattr(failure, "whole", False))
+
     def _give_up(self, signature: Signature, reason: str, where: str | None = None,
-                 sizes: bool = False) -> None:
+                 sizes: bool = False, whole: bool = False) -> None:
         """The signature cannot run through ORT whole: run it in parts if the module has any
         (`parts.py`), else in eager PyTorch for good. One warning per reason.
 
@@ -903,7 +919,8 @@ class Runtime:
         or to eager PyTorch at their first call, without a capture that would fail again.
         `sizes`: the trace failed with sizes as symbols (`BuildFailed.sizes`); the signature
         is traced again for each call's exact sizes, as a signature is when a call breaks what
-        its trace assumed of them, and gives up only if that fails too.
+        its trace assumed of them, and gives up only if that fails too. `whole`: no part is
+        tried (`BuildFailed.whole`).
         """
         if sizes and signature.shapes is not None and None in sum(signature.shapes, ()):
             with self._lock:
@@ -921,7 +938,7 @@ class Runtime:
                        "graphs of its own)")
         if self.options.strict:
             raise LazygradError(f"lazygrad (strict): cannot run through ORT: {reason}")
-        parts = self._part_runtimes()
+        parts = [] if whole else self._part_runtimes()
         if not self._record(signature, reason, bool(parts)):
             return
         for name, part in parts:

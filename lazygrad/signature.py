@@ -84,6 +84,14 @@ class Signature:
         return dataclasses.replace(self, shapes=shapes)
 
     @property
+    def half_precision(self) -> bool:
+        """Whether it computes in bfloat16 or float16: autocast to one, or a tensor of one."""
+        halves = (torch.bfloat16, torch.float16)
+        return (any(enabled and dtype in halves for _, enabled, dtype in self.autocast)
+                or any(t.dtype in halves for t in self.tensors)
+                or any(s[0] in halves for s in self.state))
+
+    @property
     def dynamic_dims(self) -> list[list[bool]]:
         """Per call tensor, which of its sizes are symbols."""
         assert self.shapes is not None

@@ -81,7 +81,9 @@ def test_fallback_trains_in_eager_and_is_counted_once():
 
 @pytest.mark.falls_back
 def test_autocast_is_part_of_the_signature_and_an_unloadable_graph_falls_back():
-    """ORT's CPU provider has no bfloat16 Gemm: that graph falls back; float32 outside runs ORT."""
+    """ORT's CPU provider has no bfloat16 Gemm: that graph falls back whole, with one warning
+    (its parts would fail alike: each of a 2-layer BERT's tried and warned, 14 warnings);
+    float32 outside runs ORT."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     model = lazygrad.lazy(copy.deepcopy(plain))
@@ -100,5 +102,5 @@ def test_autocast_is_part_of_the_signature_and_an_unloadable_graph_falls_back():
         out_fp32.sum().backward()
     assert type(out_fp32.grad_fn).__name__ == "LazyFunctionBackward"
     assert_close(out_fp32.detach(), plain(x).detach(), "float32 output outside autocast")
-    stats = lazygrad.stats(model)  # bfloat16: in parts (its Linears' first calls are eager)
-    assert (stats.exports, stats.breaks, stats.fallbacks) == (1, 1, 0)
+    stats = lazygrad.stats(model)
+    assert (stats.exports, stats.breaks, stats.fallbacks) == (1, 0, 1) and not stats.parts
