@@ -77,6 +77,8 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
         hasher.feed(("helpers", _helper_files(hasher.code_modules), str(torch.get_default_dtype())))
     except Unhashable:
         return None
+    except Exception:  # an object that fails to be read (a TorchScript module's attributes):
+        return None  # not sure, so no key
     return hasher.digest.hexdigest()
 
 

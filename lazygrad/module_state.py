@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -88,6 +89,8 @@ class ModuleState:
         self._version = -1
         self._modules: list[torch.nn.Module] = []
         self._tables: list[dict] = []  # per state tensor: the `_parameters`/`_buffers` holding it
+        # how a table is read: `dict.get` in one C call, or a TorchScript module's own mapping
+        self._get: Callable[[Any, str], Any] = dict.get
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
         self._state_ids: frozenset[int] = frozenset()
@@ -115,7 +118,7 @@ class ModuleState:
         return self._state, attributes.modes
 
     def _current(self) -> bool:
-        return all(map(operator.is_, map(dict.get, self._tables, self._names), self._tensors))
+        return all(map(operator.is_, map(self._get, self._tables, self._names), self._tensors))
 
     def _walk(self) -> None:
         self._version = _structure_version
@@ -131,8 +134,14 @@ class ModuleState:
             self._tables.append(owner._parameters if name in owner._parameters else owner._buffers)
             self._names.append(name)
             self._tensors.append(tensor)
+        self._get = dict.get if all(type(table) is dict for table in self._tables) else _get
         self._state_ids = frozenset(map(id, self._tensors))
         self._state = state
+
+
+def _get(table: Any, name: str) -> Any:
+    """A TorchScript module's `_parameters` (an `OrderedDictWrapper`, no `dict.get`)."""
+    return table[name] if name in table else None  # noqa: SIM401
 
 
 def _unchanged(attributes: _Attributes, dicts: list[dict]) -> bool:

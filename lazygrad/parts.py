@@ -4,8 +4,9 @@ A module whose call cannot be captured whole (a router that dispatches with `non
 without an ONNX translation) runs its own forward in eager PyTorch, and its largest submodules
 become lazy modules of their own: each captures, caches per signature and grad mask, and falls
 back (or breaks further) on its own. A submodule without parameters has no gradient to
-specialise and little to gain from a graph of its own: it runs in eager PyTorch with its parent.
-Containers that are never called themselves (`ModuleList`, `ModuleDict`) are looked through.
+specialise and little to gain from a graph of its own: it runs in eager PyTorch with its parent,
+as a TorchScript module does (its parameters cannot be swapped for a trace's). Containers that
+are never called themselves (`ModuleList`, `ModuleDict`) are looked through.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def parts_of(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             if id(child) in seen:
                 continue
             seen.add(id(child))
-            if next(child.parameters(), None) is None:
+            if next(child.parameters(), None) is None or isinstance(child, torch.jit.ScriptModule):
                 continue
             qualified = f"{prefix}{name}"
             if type(child).forward is torch.nn.Module.forward:

@@ -237,3 +237,50 @@ def test_sizes_among_the_outputs_are_this_calls_sizes():
     assert stats.breaks == 0 and stats.fallbacks == 0, stats.reasons
     assert stats.hits == 3  # (2, 4) exact; at (3, 5) sizes become symbols: its graph serves
     # the last two calls
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 * (1.0 + torch.erf(x / 1.41421))
+
+
+def _script(target):
+    with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; code still uses it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(target)
+
+
+_scripted_gelu = _script(_gelu)
+
+
+class HoldsScripted(torch.nn.Module):
+    """A `torch.jit.script`-ed submodule and function, as older code scripts them for speed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripted = _script(torch.nn.Linear(6, 8))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(_scripted_gelu(self.scripted(x)))
+
+
+def test_a_torchscript_submodule_trains_through_ort_like_eager(private_disk_cache):
+    """Its parameters live in a TorchScript mapping without `dict.get`: the module state's
+    read crashed at the first call, and so did the disk index's key."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(HoldsScripted())  # a deepcopy of a TorchScript module is not its twin
+    eager, lazy = models[0], lazygrad.lazy(models[1], wait_for_builds=True)
+    for step in range(4):
+        x = torch.randn(3 + step % 2, 6)
+        for m in (lazy, eager):
+            m.zero_grad(set_to_none=True)
+        got, want = lazy(x), eager(x)
+        assert_close(got.detach(), want.detach(), f"output, step {step}")
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} {name}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2
