@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules import module as torch_module
+from torch.nn.parameter import is_lazy
 
 from lazygrad.attach import LazyForward
 from lazygrad.code_globals import GlobalsRead, is_plain, version_of
@@ -94,6 +95,8 @@ class ModuleState:
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
         self._state_ids: frozenset[int] = frozenset()
+        # parameters or buffers not materialised yet (`nn.LazyLinear`): they have no shape
+        self._lazy: list[torch.Tensor] = []
         self._state: dict[str, torch.Tensor] = {}
         self._attributes: _Attributes | None = None
         self._globals: GlobalsRead | None = None
@@ -117,6 +120,14 @@ class ModuleState:
                                                   global_values, self._state_ids)
         return self._state, attributes.modes
 
+    @property
+    def uninitialized(self) -> bool:
+        """Whether a parameter or buffer has no shape yet (a lazy module before its first
+        call, which materialises it in place)."""
+        if self._lazy:
+            self._lazy = [t for t in self._lazy if is_lazy(t)]
+        return bool(self._lazy)
+
     def _current(self) -> bool:
         return all(map(operator.is_, map(self._get, self._tables, self._names), self._tensors))
 
@@ -135,6 +146,7 @@ class ModuleState:
             self._names.append(name)
             self._tensors.append(tensor)
         self._get = dict.get if all(type(table) is dict for table in self._tables) else _get
+        self._lazy = [t for t in self._tensors if is_lazy(t)]
         self._state_ids = frozenset(map(id, self._tensors))
         self._state = state
 

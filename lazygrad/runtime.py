@@ -272,7 +272,13 @@ class Runtime:
             return self._eager(args, kwargs)
         with self._lock:
             state, modes = self._state.read()
-            signature = self._signatures.of(call, state, modes)
+            uninitialized = self._state.uninitialized
+            if not uninitialized:
+                signature = self._signatures.of(call, state, modes)
+        if uninitialized:  # `nn.LazyLinear` and kin: the first call gives them their shapes
+            with self._lock:
+                self.stats.eager_steps += 1
+            return self._eager(args, kwargs)
         return self._call(signature, call, state, args, kwargs)
 
     def _sized(self, signature: Signature, tensors: list[torch.Tensor],

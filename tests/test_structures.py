@@ -284,3 +284,49 @@ def test_a_torchscript_submodule_trains_through_ort_like_eager(private_disk_cach
             assert_close(p.grad, q.grad, f"step {step} {name}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2
+
+
+class LazyHeads(torch.nn.Module):
+    """`nn.LazyLinear` (its parameters get their shapes at the first call) and heads kept in a
+    ParameterList and a ParameterDict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.LazyLinear(8)
+        self.heads = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 2))
+                                             for _ in range(2)])
+        self.scales = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.ones(2)),
+                                              "b": torch.nn.Parameter(torch.full((2,), 2.0))})
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return h @ self.heads[0] * self.scales["a"], h @ self.heads[1] * self.scales["b"]
+
+
+def test_a_lazy_linear_and_parameter_containers_train_like_eager():
+    """The first call read the uninitialized parameters' shapes for its signature and
+    crashed; now a call with an unmaterialised parameter runs eagerly, which gives it its
+    shape, and the next calls run through ORT."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(LazyHeads())
+    eager, lazy = models[0], lazygrad.lazy(models[1], wait_for_builds=True)
+    for step in range(5):
+        x = torch.randn(4, 5)
+        outputs = []
+        for m in (lazy, eager):
+            torch.manual_seed(step)  # the lazy parameters are drawn at the first call
+            m.zero_grad(set_to_none=True)
+            outputs.append(m(x))
+        got, want = outputs
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_close(a.detach(), b.detach(), f"output {index}, step {step}")
+        (got[0].sum() + (got[1].square().sum() if step % 2 else 0)).backward()
+        (want[0].sum() + (want[1].square().sum() if step % 2 else 0)).backward()
+        for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert_close(p.grad, q.grad, f"step {step} {name}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 2
