@@ -295,7 +295,8 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
         f"{'x'.join(map(str, MOE_SHAPE))}; loss out.pow(2).mean(), plus 0.01 * aux_loss on "
         "every 4th step. Workload 3: workload 1's loss at sequence lengths "
         f"{', '.join(map(str, plan.lengths))} (one shuffled pass), on the models that ran "
-        "workload 1 just before (one graph serves every length: no new signature).",
+        "workload 1 just before (lazygrad: the first length that differs from workload 1's "
+        "128 makes the length a symbol, one more build; its graph serves every length after).",
         "median step / x eager: every peer steps once per round, in an order that rotates from "
         "round to round; x eager is the median over rounds of the step time divided by eager's "
         f"step time in the same round. Workload 1: {plan.rounds} timed rounds per composition "
