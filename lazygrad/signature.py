@@ -109,7 +109,8 @@ def sizes_for(known: tuple[tuple[int | None, ...], ...] | None,
     sizes it differs in made symbols."""
     if known is None:
         return shapes
-    if all(k is None or k == s for ks, ss in zip(known, shapes) for k, s in zip(ks, ss)):
+    if shapes == known or all(k is None or k == s for ks, ss in zip(known, shapes)
+                              for k, s in zip(ks, ss)):
         return known
     return tuple(tuple(k if k == s else None for k, s in zip(ks, ss))
                  for ks, ss in zip(known, shapes))
