@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -317,8 +317,8 @@ class Runtime:
         """The sizes an earlier process had made symbols for this signature, if this call fits
         them (its other sizes are theirs). Remembers the record's key."""
         key = self._index_key(signature, state)
-        self._sizes_keys[signature] = None if key is None else sizes_key(key)
-        record = self._disk.read_record(sizes_key(key)) if key is not None else None
+        key = self._sizes_keys[signature] = None if key is None else sizes_key(key)
+        record = None if key is None else self._disk.read_record(key)
         if record is None:
             return None
         sizes = tuple(tuple(size) for size in record["sizes"])
@@ -928,12 +928,11 @@ class Runtime:
         its trace assumed of them, and gives up only if that fails too. `whole`: no part is
         tried (`BuildFailed.whole`).
         """
-        if sizes and signature.shapes is not None and None in sum(signature.shapes, ()):
+        if sizes and signature.shapes is not None and any(map(any, signature.dynamic_dims)):
             with self._lock:
                 self._exact_sizes.add(signature.with_shapes(None))
                 self._entries.pop(signature, None)
-                for key in [k for k in self._pairs if k[0] == signature]:
-                    self._pairs.pop(key, None)
+                self._drop_pairs(lambda built: built == signature)
             return
         cause = reason
         reason = f"{type(self.module).__name__}: {reason}"
@@ -1020,9 +1019,13 @@ class Runtime:
                 self.stats.fallbacks += 1
             if not known:
                 self.stats.reasons.append(reason)
-            for key in [k for k in self._pairs if _unsized(k[0]) == signature]:
-                self._pairs.pop(key, None)
+            self._drop_pairs(lambda built: _unsized(built) == signature)
         return not known
+
+    def _drop_pairs(self, of: Callable[[Signature], bool]) -> None:
+        """Drop the cached pairs of the signatures `of` accepts. Under the lock."""
+        for key in [k for k in self._pairs if of(k[0])]:
+            self._pairs.pop(key, None)
 
     def doom(self, reason: str, own: str | None, inside: list[str]) -> None:
         """This module cannot be captured whole, as a failure in an enclosing module's capture

@@ -27,7 +27,7 @@ import pickle
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -44,11 +44,13 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
     """Inside, a draw from the tracing thread is recorded; on a clean exit, one raises."""
     drawn: list[str] = []
     thread = threading.get_ident()
+    read = list(names_read(module))  # the user's code's names, walked once
+    owners = {id(_owner(m)) for m in _modules()}
     swapped: list[tuple[dict, str, Callable[..., Any]]] = []
-    for namespace, name, label in _global_draws(module):
+    for namespace, name, label in _global_draws(read, owners):
         namespace[name] = _recording(namespace[name], label, thread, drawn)
         swapped.append((namespace, name, namespace[name].__wrapped__))
-    generators = _own_generators(module)
+    generators = _own_generators(module, read, owners)
     states = [_state_of(generator) for _, generator in generators]
     try:
         yield
@@ -64,38 +66,36 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
         )
 
 
-def _global_draws(module: torch.nn.Module) -> Iterator[tuple[dict, str, str]]:
-    """(namespace, name, label) of the functions that draw from a global generator: those of
-    the `random` and `numpy.random` modules, and those the user's code holds as globals."""
-    owners = {id(_owner(m)) for m in _modules()}
-    for generator_module in _modules():
-        names = vars(generator_module)
-        yield from ((names, name, f"{generator_module.__name__}.{name}")
-                    for name, function in list(names.items())
-                    if name not in _STATE and id(getattr(function, "__self__", None)) in owners)
-    found = {(id(namespace), name): (namespace, name, label)
-             for namespace, name, label in names_read(module)
-             if type(namespace) is dict and name not in _STATE
-             and id(getattr(namespace.get(name), "__self__", None)) in owners
-             and namespace is not vars(random)}
-    yield from found.values()
+def _global_draws(read: list[tuple[Mapping, str, str]],
+                  owners: set[int]) -> Iterator[tuple[dict, str, str]]:
+    """(namespace, name, label) of the functions that draw from a global generator (`owners`:
+    their ids): those of the `random` and `numpy.random` modules, and those the user's code
+    holds as globals (`read`), each once."""
+    found: dict[tuple[int, str], tuple[dict, str, str]] = {}
+    named = [(vars(m), name, f"{m.__name__}.{name}") for m in _modules() for name in vars(m)]
+    for namespace, name, label in named + read:
+        if type(namespace) is dict and name not in _STATE \
+                and id(getattr(namespace.get(name), "__self__", None)) in owners:
+            found.setdefault((id(namespace), name), (namespace, name, label))
+    return iter(found.values())
 
 
-def _own_generators(module: torch.nn.Module) -> list[tuple[str, object]]:
+def _own_generators(module: torch.nn.Module, read: list[tuple[Mapping, str, str]],
+                    owners: set[int]) -> list[tuple[str, object]]:
     """(label, generator) of the generators of their own that the modules hold (as attributes,
-    or in the plain objects they hold) or the user's code reads as globals."""
-    kinds = _generator_types()
+    or in the plain objects they hold) or the user's code reads as globals (`read`); the global
+    ones (`owners`) are watched by function instead."""
+    kinds = tuple(_generator_types())
     found: dict[int, tuple[str, object]] = {}
     for path, submodule in module.named_modules():
         for name, value in vars(submodule).items():
             for attribute, held in [(name, value), *_held_by(name, value)]:
                 if isinstance(held, kinds):
                     found.setdefault(id(held), (f"{path or 'the module'}.{attribute}", held))
-    for namespace, name, label in names_read(module):
+    for namespace, name, label in read:
         value = namespace.get(name)
         if isinstance(value, kinds) and not isinstance(value, random.SystemRandom):
             found.setdefault(id(value), (label, value))
-    owners = {id(_owner(m)) for m in _modules()}  # the global ones are watched by function
     return [entry for key, entry in found.items() if key not in owners]
 
 
@@ -114,20 +114,16 @@ def _state_of(generator: object) -> bytes:
     return pickle.dumps(generator.get_state())  # numpy.random.RandomState
 
 
-def _generator_types() -> tuple[type, ...]:
-    kinds: list[type] = [random.Random]
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        kinds += [numpy_random.Generator, numpy_random.RandomState]
-    return tuple(kinds)
+def _generator_types() -> Iterator[type]:
+    yield random.Random
+    for numpy_random in _modules()[1:]:
+        yield from (numpy_random.Generator, numpy_random.RandomState)
 
 
 def _modules() -> list[ModuleType]:
-    found = [random]
+    """`random`, and `numpy.random` where it is loaded."""
     numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        found.append(numpy_random)
-    return found
+    return [random] if numpy_random is None else [random, numpy_random]
 
 
 def _owner(module: ModuleType) -> object:
