@@ -223,6 +223,7 @@ def test_a_submodule_hook_that_counts_in_python_fires_at_every_step():
         assert counts["flops"] - start["flops"] == 3 * 4 * 8 * 3
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.parts["0"].hits >= 3 and stats.parts["2"].hits >= 3
+    assert stats.fallbacks == 0 and all(part.fallbacks == 0 for part in stats.parts.values())
 
 
 class Recorded(torch.nn.Module):
