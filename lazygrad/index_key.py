@@ -18,7 +18,7 @@ workload A's whole-process peak, `benchmarks/results/memory-targets.md`.) What t
 see is a module-level variable that the training script reassigns at run time; the README says
 so. Every value is hashed deterministically (the same bytes in every process) or not at all: a
 value that cannot be (a closure, a bound method, an object without `__dict__`) makes the key
-None, and that signature gets no index.
+None, and that signature gets no index; so does a global module hook (`global_hooks.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from lazygrad import attach
+from lazygrad import attach, global_hooks
 from lazygrad.code_globals import GlobalsRead, is_library
 
 # A module's `__dict__` entries that are not hashed as values: its tensors and submodules
@@ -61,6 +61,8 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
               *parts: Any) -> str | None:
     """The key of a signature's index record, or None if something cannot be hashed
     deterministically. `parts`: the options that change the graphs, and the versions."""
+    if any(global_hooks.registered()):  # how they run is the capture's to decide
+        return None
     hasher = _Hasher(module)
     try:
         for name, submodule in module.named_modules(remove_duplicate=False):

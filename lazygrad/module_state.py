@@ -15,7 +15,8 @@ attributes that hold only such values (plain values, tensors, and lists, tuples 
 them: indices kept as `self.keep = [0, 2]`, anchors kept in a list, a dict of scales), by their
 items: one replaced, or a tensor among them changed in place, after a build served the old
 values, silently wrong, before. And so are the plain module-level values the user's code reads
-(`code_globals.py`), compared by identity at every call.
+(`code_globals.py`), compared by identity at every call, and the global module hooks registered
+(`global_hooks.py`).
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -44,6 +45,7 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.nn.parameter import is_lazy
 
+from lazygrad import global_hooks
 from lazygrad.attach import LazyForward
 from lazygrad.code_globals import GlobalsRead, is_plain, version_of
 
@@ -176,11 +178,12 @@ def plain_attributes(module: torch.nn.Module) -> tuple:
 def _read(dicts: list[dict], previous: _Attributes | None, globals_read: GlobalsRead,
           global_values: list[object], state_ids: frozenset[int]) -> _Attributes:
     containers = _Containers(state_ids)
-    modes = (*(_modes_of(d, containers) for d in dicts), globals_read.modes(global_values))
+    modes = (*(_modes_of(d, containers) for d in dicts), globals_read.modes(global_values),
+             global_hooks.registered())
     if previous is not None and modes == previous.modes:
         modes = previous.modes  # the same object while equal: the signature's fast path
     hooks = [hook for d in dicts for name in _HOOKS
-             if isinstance(hook := d.get(name), dict)]
+             if isinstance(hook := d.get(name), dict)] + list(global_hooks.ALL)
     objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
     extras = [hook for hook in hooks if hook] + list(objects.values()) + containers.dicts
     watched = dicts + extras

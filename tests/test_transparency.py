@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal
+from conftest import assert_close, assert_grads_equal, sum_step_like_eager
 
 import lazygrad
 from lazygrad.examples.models import ThreeHeadMLP
@@ -594,3 +594,90 @@ def test_fx_symbolic_tracing_traces_a_lazy_submodule_as_plain_code():
     x = torch.randn(3, 16)
     assert_close(traced(x).detach(), model(x).detach(), "output")
     assert lazygrad.stats(model.body).fallbacks == 0
+
+
+def _mlp_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True), eager
+
+
+def test_global_forward_hooks_fire_for_every_submodule_at_every_step():
+    """A call counter and an activation logger registered for every module
+    (`register_module_forward_hook`, `..._pre_hook`): ORT steps called them for the model's own
+    call alone, none of its submodules', with no sign of it. While they are registered the model
+    runs in parts down to its leaves, whose calls fire them, every step through ORT, counts
+    exact from the first step (no trace calls them). Removed, the model runs whole again."""
+    lazy, eager = _mlp_pair()
+    seen: dict[str, list] = {"lazy": [], "eager": []}
+    current = {"log": seen["lazy"]}
+
+    def count(module, args):
+        current["log"].append(type(module).__name__)
+
+    def keep(module, args, out):
+        if isinstance(module, torch.nn.Linear):
+            current["log"].append(out.detach().clone())
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(count),
+               torch.nn.modules.module.register_module_forward_hook(keep)]
+    try:
+        with pytest.warns(lazygrad.GraphBreakWarning, match="global module forward hooks"):
+            for step in range(4):
+                x = torch.randn(5, 6)
+                for name, model in (("lazy", lazy), ("eager", eager)):
+                    seen[name].clear()
+                    current["log"] = seen[name]
+                    model.zero_grad(set_to_none=True)
+                    model(x).square().sum().backward()
+                names = [item for item in seen["lazy"] if isinstance(item, str)]
+                assert names == [item for item in seen["eager"] if isinstance(item, str)] == \
+                    ["Sequential", "Linear", "Tanh", "Linear"], f"step {step}"
+                kept = [(a, b) for a, b in zip(seen["lazy"], seen["eager"])
+                        if isinstance(b, torch.Tensor)]
+                assert len(kept) == 2
+                for a, b in kept:
+                    assert type(a) is torch.Tensor
+                    assert_close(a, b, f"logged activation, step {step}")
+                assert_grads_equal(lazy, eager, f"step {step}")
+    finally:
+        for handle in handles:
+            handle.remove()
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0
+    assert stats.parts["0"].hits >= 2 and stats.parts["2"].hits >= 2
+    lazygrad.reset_stats(lazy)
+    for step in range(3):
+        sum_step_like_eager(lazy, eager, (torch.randn(5, 6),), f"unhooked step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits >= 2 and stats.breaks == 0 and stats.fallbacks == 0
+
+
+def test_a_global_hook_registered_after_a_build_is_not_skipped_by_the_old_graphs():
+    """Global hooks are part of the signature: a logger registered once the model trains
+    through ORT sees the next step's submodule calls, and a global backward hook that rescales
+    a gradient is applied, as in eager (the old graphs ran neither)."""
+    lazy, eager = _mlp_pair()
+    for step in range(3):
+        sum_step_like_eager(lazy, eager, (torch.randn(5, 6),), f"step {step}")
+    assert lazygrad.stats(lazy).hits == 2
+    logged: list = []
+
+    def log(module, args, out):
+        logged.append(type(module).__name__)
+
+    def halve(module, grad_output):
+        return tuple(None if g is None else g * 0.5 for g in grad_output)
+
+    handles = [torch.nn.modules.module.register_module_forward_hook(log),
+               torch.nn.modules.module.register_module_full_backward_pre_hook(halve)]
+    try:
+        with pytest.warns(lazygrad.GraphBreakWarning, match="global module"):
+            for step in range(3):
+                logged.clear()
+                sum_step_like_eager(lazy, eager, (torch.randn(5, 6),), f"hooked step {step}")
+                assert logged[:4] == logged[4:] and len(logged) == 8, f"step {step}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert lazygrad.stats(lazy).fallbacks == 0

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MASKS = [(True, False, True), (True, False, True), (False, True, False), (True, False, True)]
@@ -195,6 +196,11 @@ def test_the_index_key_is_the_same_for_equal_models_and_none_where_it_cannot_be_
     assert _key(BertPretraining(config), *bert_batch(config, batch=2, seq=5)) == _key(
         BertPretraining(config), *bert_batch(config, batch=3, seq=6))  # sizes are symbols
     assert _key(BertPretraining(config).eval(), *batch) != key
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:  # a global hook: whether the model runs whole is the capture's to decide
+        assert _key(BertPretraining(config), *batch) is None
+    finally:
+        handle.remove()
 
 
 def test_the_index_key_reads_the_helper_files_down_to_installed_packages(tmp_path, monkeypatch):

@@ -145,6 +145,7 @@ def capture(
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
+    forward_hooks.refuse_global_hooks(module)
     fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of,
                           own_roots)
     count = len(state_names)

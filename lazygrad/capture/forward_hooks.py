@@ -9,18 +9,31 @@ Python numbers, a timer. Traced, it ran once for a whole training, with no sign 
 whose code is the user's (outside the installed libraries) that returns nothing and runs no
 tensor op while traced makes the module run in parts: each hooked submodule, called by eager
 PyTorch, fires its hooks around its own lazy call at every step, as in eager.
+
+Global forward hooks (`register_module_forward_hook` and its pre-hook) of the user's run
+around every module call in the process: a call counter, an activation logger. Traced, they
+ran for the module's own call alone on ORT steps, none of its submodules', with no sign of it.
+So while one is registered a module with submodules is not captured whole: it runs in parts,
+down to modules without submodules, around whose lazy calls the hooks run as in eager. A trace
+never calls them (it would call them for lazygrad's own modules too: the wrapper around the
+forward, the traced graphs); other threads' calls (an eager step beside a background build)
+reach them as they are. Nor does a trace call global backward hooks (`backward_hooks.py`): a
+module traced with them (one without submodules, around whose lazy call they run) would apply
+them twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lazygrad import global_hooks
 from lazygrad.capture.errors import CaptureError
 from lazygrad.code_globals import is_library
 
@@ -34,7 +47,8 @@ _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "nelement", 
 @contextlib.contextmanager
 def watching(module: torch.nn.Module) -> Iterator[list[str]]:
     """Around a trace of `module`: yields the names of the submodules whose hooks of the user's
-    ran for side effects only (`refuse_side_effects`). The hooks are put back on exit."""
+    ran for side effects only (`refuse_side_effects`); the global hooks of the user's are hidden
+    from this thread. The hooks are put back on exit."""
     found: list[str] = []
     swapped: list[tuple[dict, Any, Callable[..., Any]]] = []
     for name, submodule in module.named_modules():
@@ -46,12 +60,26 @@ def watching(module: torch.nn.Module) -> Iterator[list[str]]:
                 if _users(hook):
                     hooks[key] = _watched(hook, name, found)
                     swapped.append((hooks, key, hook))
+    for hooks in global_hooks.ALL:
+        for key, hook in list(hooks.items()):
+            if _users(hook):
+                hooks[key] = _hidden_from_this_thread(hook)
+                swapped.append((hooks, key, hook))
     try:
         yield found
     finally:
         for hooks, key, hook in swapped:
             if key in hooks:
                 hooks[key] = hook
+
+
+def refuse_global_hooks(module: torch.nn.Module) -> None:
+    """Raise CaptureError if global forward hooks of the user's would be called for submodules
+    of `module`."""
+    if next(module.children(), None) is not None and any(
+            _users(hook) for hooks in global_hooks.FORWARD for hook in hooks.values()):
+        raise CaptureError("global module forward hooks are registered: torch calls them around "
+                           "every submodule's forward, which ORT steps would skip")
 
 
 def refuse_side_effects(found: list[str]) -> None:
@@ -73,13 +101,27 @@ def _users(hook: Callable[..., Any]) -> bool:
 
 def _watched(hook: Callable[..., Any], name: str, found: list[str]) -> Callable[..., Any]:
     def watched(*args: Any, **kwargs: Any) -> Any:
-        with _Computing() as computing:
-            result = hook(*args, **kwargs)
-        if result is None and not computing.ops:
-            found.append(name)
-        return result
+        return _call_watched(hook, name, found, args, kwargs)
 
     return watched
+
+
+def _hidden_from_this_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
+    thread = threading.get_ident()
+
+    def hidden(*args: Any, **kwargs: Any) -> Any:
+        return None if threading.get_ident() == thread else hook(*args, **kwargs)
+
+    return hidden
+
+
+def _call_watched(hook: Callable[..., Any], name: str, found: list[str], args: tuple,
+                  kwargs: dict) -> Any:
+    with _Computing() as computing:
+        result = hook(*args, **kwargs)
+    if result is None and not computing.ops:
+        found.append(name)
+    return result
 
 
 class _Computing(TorchFunctionMode):

@@ -25,6 +25,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
+from lazygrad import global_hooks
 from lazygrad.capture import aliases, draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
@@ -181,6 +182,8 @@ def trace(
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
                                sizes=any(map(any, dynamic))) from error
+        finally:  # AOTAutograd leaves the trace's fake seed and offset (and its fake mode) there
+            private.PhiloxStateTracker.reset()
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
@@ -217,12 +220,14 @@ def module_paths(module: torch.nn.Module) -> Iterator[dict[int, str]]:
     meta = private.fx_traceback.current_meta
     outer: list[Any] = []
 
+    @global_hooks.own
     def enter(submodule: torch.nn.Module, _args: Any) -> None:
         name = names.get(id(submodule))
         if name and threading.get_ident() == thread:
             outer.append(meta.get("custom"))
             meta["custom"] = {**(meta.get("custom") or {}), _MODULE: name}
 
+    @global_hooks.own
     def leave(submodule: torch.nn.Module, _args: Any, _result: Any) -> None:
         if names.get(id(submodule)) and threading.get_ident() == thread:
             previous = outer.pop()
