@@ -333,3 +333,94 @@ def test_with_or_without_ort_memory_arena_the_steps_are_eagers(arena, monkeypatc
 def test_arena_must_be_a_bool():
     with pytest.raises(ValueError, match="arena must be True or False, got 'yes'"):
         lazygrad.lazy(torch.nn.Linear(2, 2), arena="yes")
+
+
+class CheckpointedNet(torch.nn.Module):
+    """Residual blocks, each run through `torch.utils.checkpoint` (non-reentrant, as
+    transformers' `gradient_checkpointing_enable` runs its layers) when `checkpointed`."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.GELU(),
+            torch.nn.Linear(128, 32), torch.nn.Dropout(0.1)) for _ in range(3))
+        self.head = torch.nn.Linear(32, 5)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointed:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = x + block(x)
+        return self.head(x)
+
+
+def _stash_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One step (grads zeroed, forward, backward of the squares' sum): the output, and the
+    bytes of the activations the forward saved for the backward (saved tensors of `x`'s size
+    or more, lazygrad's stash included; not the parameters)."""
+    saved = [0]
+
+    def pack(tensor):
+        if tensor.numel() >= x.numel():
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x)
+    out.square().sum().backward()
+    return out.detach(), saved[0]
+
+
+def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
+    """Traced by AOTAutograd as plain code, a checkpointed region's activations were all saved:
+    a model trained with activation checkpointing to fit its batch saved as much as without it
+    (a 4-layer BERT: 44.4 MiB where eager saves 2.6). The region's ops are now tagged for
+    recomputation, as torch.compile tags them: the forward saves what enters each region (and
+    the dropout draws), the backward recomputes the rest. Outputs and gradients are eager's,
+    every step through ORT (dropout replayed in the recomputation)."""
+    x = torch.randn(16, 64, 32)
+    saved = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        eager = CheckpointedNet(checkpointed)
+        lazy = lazygrad.lazy(copy.deepcopy(eager))
+        for step in range(3):
+            torch.manual_seed(step)
+            got, saved[checkpointed, "lazy"] = _stash_step(lazy, x)
+            torch.manual_seed(step)
+            want, saved[checkpointed, "eager"] = _stash_step(eager, x)
+            assert_close(got, want, f"output, step {step}")
+            assert_grads_equal(lazy, eager, f"checkpointed={checkpointed}, step {step}")
+        stats = lazygrad.stats(lazy)
+        assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
+    activation = x.numel() * 4
+    assert saved[True, "eager"] == 4 * activation  # each region's input, the head's
+    assert saved[False, "lazy"] > 20 * activation  # each block's: several times x
+    # eager's, and each region's dropout draw and mask (eager's recomputation draws them anew)
+    assert saved[True, "lazy"] <= saved[True, "eager"] + 3 * 1.25 * activation
+
+
+def test_the_users_saved_tensor_hooks_keep_what_they_packed():
+    """`torch.autograd.graph.save_on_cpu` (and any saved-tensor hooks, as activation
+    compression): lazygrad's backward dropped its stash's references by hooking each saved
+    tensor, which torch allows once, and the backward crashed on tensors the user's hooks had
+    packed. It now leaves those to the user's hooks."""
+    torch.manual_seed(0)
+    eager = CheckpointedNet(False)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        x = torch.randn(4, 8, 32)
+        outputs = []
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with torch.autograd.graph.save_on_cpu():
+                out = model(x)
+            out.square().sum().backward()
+            outputs.append(out.detach())
+        assert_close(*outputs, f"output, step {step}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert lazygrad.stats(lazy).hits == 2 and lazygrad.stats(lazy).fallbacks == 0

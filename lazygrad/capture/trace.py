@@ -175,7 +175,8 @@ def trace(
             # (`lowerings.COMPOSITE`).
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
-                    private.plain_lstm(), private.composite_kernels(lowerings.COMPOSITE):
+                    private.plain_lstm(), private.composite_kernels(lowerings.COMPOSITE), \
+                    private.checkpoints_recomputed():
                 outputs = compiled(*fakes)
         except CaptureError:
             raise
