@@ -38,6 +38,7 @@ class GraphPair:
         self.outputs_read_by_backward = sorted(
             {feed.index for feed in graphs.backward_feeds if feed.kind == "saved"}
         )
+        self.backward_reads_draws = any(feed.kind == "random" for feed in graphs.backward_feeds)
         # Where each graph input sits among the call's values, per count of each kind of value.
         self._positions: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._root_views = [(slot.index, _views(slot.views)) for slot in graphs.roots]

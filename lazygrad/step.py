@@ -4,10 +4,14 @@ The runtime decides which graphs serve the step (signature, plan, the pair for a
 hands the step what it needs; the step runs them, in the order `LazyFunction` calls it.
 
 What the forward keeps: the primals (module state and inputs; a state tensor the forward updates
-in place is kept as it was read), the random draws, and the forward results the planned
-backward reads. Under "predict", a backward whose mask differs from the plan reruns the forward
-of its own pair from these, with the same draws (never redrawn); "all" feeds zeros for outputs
-outside the mask, as ORTModule does; under "recompute" the backward graph recomputes itself.
+in place is kept as it was read), the forward results the planned backward reads, and the
+random draws only if that backward reads them: a dropout's backward reads its mask, a boolean
+the forward made, not the float32 draw it came from, which eager never keeps (CUDA's dropout
+saves the mask alone; a BERT's attention dropout draws, kept, were four times its masks).
+Under "predict", a backward whose mask differs from the plan reruns the forward of its own
+pair from these, with the same draws: drawn again from the generator state the step drew them
+from; "all" feeds zeros for outputs outside the mask, as ORTModule does; under "recompute" the
+backward graph recomputes itself.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Step:
         self._eager_backward = eager_backward
         self._generator_state: torch.Tensor | None = None  # before this step's draws
         self._layout: tuple[int, int, list[int]] = (0, 0, [])  # primals, draws, results kept
+        self._draw_count = 0  # the draws made (kept or not)
         self._root_types: list[tuple[torch.Size, torch.dtype]] = []
 
     def forward(
@@ -68,6 +73,9 @@ class Step:
             kept_primals[primal] = primals[primal].detach().clone()  # type: ignore[index]
         pair.write_back(primals, results)
         read = pair.outputs_read_by_backward
+        self._draw_count = len(draws)
+        if not (self.policy == "recompute" or pair.backward_reads_draws):
+            draws = []
         self._layout = (len(primals), len(draws), read)
         if self.policy == "all":  # zeros of these are fed for roots without a gradient
             self._root_types = [(r.shape, r.dtype) for r in roots]
@@ -103,8 +111,11 @@ class Step:
             results = self._results(kept)
         else:
             self._on_recompute()
+            draws = self._all_draws(draws)
             results = pair.forward(primals, draws, self.device)
         del kept
+        if pair.backward_reads_draws:
+            draws = self._all_draws(draws)
         return pair.backward(primals, draws, results, grads, self.device)
 
     def _backward_all(
@@ -121,6 +132,8 @@ class Step:
             return self._eager_backward(primals, grads, self._generator_state, False)
         results = self._results(kept)
         kept.clear()
+        if pair.backward_reads_draws:
+            draws = self._all_draws(draws)
         cotangents = [
             grad if grad is not None or not wanted
             else torch.zeros(shape, dtype=dtype, device=self.device)
@@ -130,6 +143,16 @@ class Step:
         for primal in pair.unreached(root_mask):
             gradients[primal] = None
         return gradients
+
+    def _all_draws(self, kept: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This step's draws: those kept, or all drawn again from the generator state the step
+        drew them from (the generator itself is left where it is)."""
+        if len(kept) == self._draw_count:
+            return kept
+        assert self._generator_state is not None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            set_generator_state(self.device, self._generator_state)
+            return self.pair.draw(self.env, self.device)
 
     def _results(self, kept: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The forward results the backward reads, at their indices (None elsewhere)."""

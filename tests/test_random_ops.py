@@ -300,3 +300,55 @@ def test_dropout_after_the_model_is_converted_to_channels_last_draws_in_its_new_
         _seeded_step_like_eager(lazy, eager, 10 + step, x, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.exports, stats.hits, stats.fallbacks) == (2, 2, 0)
+
+
+class DropoutBetween(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 256)
+        self.second = torch.nn.Linear(256, 8)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.second(self.drop(torch.relu(self.first(x))))
+
+
+def test_the_stash_keeps_a_dropouts_mask_not_its_draw_and_a_missed_plan_draws_it_again():
+    """The forward kept every random draw for the backward, though a dropout's backward reads
+    its boolean mask (kept too), never the float32 draw the mask came from: four bytes an
+    element beside the mask's one (a BERT's attention dropout, of its largest activations).
+    The draws are now kept only for a backward that reads them; a step whose backward misses
+    the plan (another mask) draws them again from the step's generator state, and its
+    gradients and the generator after it are eager's."""
+    torch.manual_seed(0)
+    eager = TwoHeads(lambda h: torch.nn.functional.dropout(h, 0.5))
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(5, 6)
+    for step, mask in enumerate(MASKS):
+        what = f"step {step} mask {mask}"
+        outputs, _, after = _step(lazy, x, 100 + step, mask)
+        expected, _, eager_after = _step(eager, x, 100 + step, mask)
+        for got, want in zip(outputs, expected):
+            assert_close(got.detach(), want.detach(), f"{what}: output")
+        assert_grads_equal(lazy, eager, what)
+        assert torch.equal(after, eager_after), f"{what}: the generator moved unlike eager's"
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.recomputes == 2 and stats.builds == 3
+
+    torch.manual_seed(0)
+    model = lazygrad.lazy(DropoutBetween())
+    x = torch.randn(128, 64)
+    for _ in range(3):
+        saved = []
+
+        def pack(tensor, saved=saved):
+            if not isinstance(tensor, torch.nn.Parameter) and tensor.numel() >= 128 * 256:
+                saved.append(tensor.dtype)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(x)
+        out.sum().backward()
+    assert ran_through_ort([out])
+    # the dropout's mask, the ReLU's output (its backward reads it), the second layer's input
+    assert sorted(map(str, saved)) == ["torch.bool", "torch.float32", "torch.float32"]
