@@ -363,21 +363,22 @@ def test_arena_must_be_a_bool():
 
 
 class CheckpointedNet(torch.nn.Module):
-    """Residual blocks, each run through `torch.utils.checkpoint` (non-reentrant, as
-    transformers' `gradient_checkpointing_enable` runs its layers) when `checkpointed`."""
+    """Residual blocks, each run through `torch.utils.checkpoint` when `checkpointed`:
+    non-reentrant (as transformers' `gradient_checkpointing_enable` runs its layers) or
+    reentrant (torch's default where `use_reentrant` is not passed)."""
 
-    def __init__(self, checkpointed: bool) -> None:
+    def __init__(self, checkpointed: bool, reentrant: bool = False) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
             torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.GELU(),
             torch.nn.Linear(128, 32), torch.nn.Dropout(0.1)) for _ in range(3))
         self.head = torch.nn.Linear(32, 5)
-        self.checkpointed = checkpointed
+        self.checkpointed, self.reentrant = checkpointed, reentrant
 
     def forward(self, x):
         for block in self.blocks:
             if self.checkpointed:
-                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
             else:
                 x = x + block(x)
         return self.head(x)
@@ -406,7 +407,7 @@ def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
     a model trained with activation checkpointing to fit its batch saved as much as without it
     (a 4-layer BERT: 44.4 MiB where eager saves 2.6). The region's ops are now tagged for
     recomputation, as torch.compile tags them: the forward saves what enters each region (and
-    the dropout draws), the backward recomputes the rest. Outputs and gradients are eager's,
+    the dropout masks), the backward recomputes the rest. Outputs and gradients are eager's,
     every step through ORT (dropout replayed in the recomputation)."""
     x = torch.randn(16, 64, 32)
     saved = {}
@@ -428,6 +429,31 @@ def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
     assert saved[False, "lazy"] > 20 * activation  # each block's: several times x
     # eager's, and each region's dropout draw and mask (eager's recomputation draws them anew)
     assert saved[True, "lazy"] <= saved[True, "eager"] + 3 * 1.25 * activation
+
+
+def test_a_reentrant_checkpoint_is_captured_with_eagers_semantics():
+    """A reentrant checkpoint's backward calls `torch.autograd.backward`, which AOTAutograd's
+    trace refuses: the model ran in parts. It is now traced as a region to recompute. As in
+    eager, a region none of whose inputs requires grad passes no gradient (the first block's
+    parameters keep `.grad is None`); given an input that requires grad, every block trains."""
+    for requires_grad in (False, True):
+        torch.manual_seed(0)
+        eager = CheckpointedNet(True, reentrant=True)
+        lazy = lazygrad.lazy(copy.deepcopy(eager))
+        for step in range(3):
+            x = torch.randn(4, 8, 32, requires_grad=requires_grad)
+            outputs = []
+            for model in (lazy, eager):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                out = model(x)
+                out.square().sum().backward()
+                outputs.append(out.detach())
+            assert_close(*outputs, f"output, step {step}")
+            assert_grads_equal(lazy, eager, f"step {step}")
+        assert (eager.blocks[0][1].weight.grad is None) == (not requires_grad)
+        stats = lazygrad.stats(lazy)
+        assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
 
 
 def test_the_users_saved_tensor_hooks_keep_what_they_packed():

@@ -103,40 +103,63 @@ def plain_lstm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def checkpoints_recomputed() -> Iterator[None]:
-    """Inside, on this thread, the ops a non-reentrant `torch.utils.checkpoint` region runs are
-    tagged to be recomputed in the backward (node meta "recompute", one "ac_graph_id" per
-    region), as torch.compile tags them: AOTAutograd traces through the region as through
-    plain code, and the backward saved every activation of a model trained with activation
+    """Inside, on this thread, the ops a `torch.utils.checkpoint` region runs are tagged to be
+    recomputed in the backward (node meta "recompute", one "ac_graph_id" per region), as
+    torch.compile tags them: AOTAutograd traces through a non-reentrant region as through plain
+    code, and the backward saved every activation of a model trained with activation
     checkpointing to fit its batch (a 4-layer BERT's stash: 44.4 MiB against eager's 2.6).
     The partitioner saves what enters a region and recomputes the rest in the backward. The
-    tags ride on the node meta that `preserve_node_meta` copies to each traced node. One trace
-    at a time holds this (as `compiling`)."""
+    tags ride on the node meta that `preserve_node_meta` copies to each traced node.
+
+    A reentrant region (`use_reentrant=True`, the default where none is passed) runs its
+    function inside a custom Function whose backward calls `torch.autograd.backward`, which
+    AOTAutograd's trace refuses: it is traced as its function, with eager's semantics (no
+    gradient flows through it when none of its tensor inputs requires one). One trace at a time
+    holds this (as `compiling`)."""
     checkpoint = importlib.import_module("torch.utils.checkpoint")
     node_meta = importlib.import_module("torch.fx.traceback")
-    original = checkpoint._checkpoint_without_reentrant_generator
+    without_reentrant = checkpoint._checkpoint_without_reentrant_generator
+    reentrant = checkpoint.CheckpointFunction
     thread = threading.get_ident()
     regions = itertools.count(1)
 
-    def tagged(*args: Any, **kwargs: Any) -> Iterator[None]:
-        if threading.get_ident() != thread:
-            yield from original(*args, **kwargs)
-            return
+    @contextlib.contextmanager
+    def region() -> Iterator[None]:
         meta = node_meta.current_meta  # the module's: `preserve_node_meta` replaces it
         outer = {key: meta[key] for key in _CHECKPOINT_TAGS if key in meta}
         meta["recompute"] = checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
         meta["ac_graph_id"] = next(regions)
         try:
-            yield from original(*args, **kwargs)
+            yield
         finally:
             for key in _CHECKPOINT_TAGS:
                 meta.pop(key, None)
             meta.update(outer)
 
+    def tagged(*args: Any, **kwargs: Any) -> Iterator[None]:
+        if threading.get_ident() != thread:
+            yield from without_reentrant(*args, **kwargs)
+            return
+        with region():
+            yield from without_reentrant(*args, **kwargs)
+
+    class Reentrant:
+        @staticmethod
+        def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+            if threading.get_ident() != thread:
+                return reentrant.apply(function, preserve_rng_state, *args)
+            differentiable = any(isinstance(arg, torch.Tensor) and arg.requires_grad
+                                 for arg in args)
+            with region(), torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+                return function(*args)
+
     checkpoint._checkpoint_without_reentrant_generator = tagged
+    checkpoint.CheckpointFunction = Reentrant
     try:
         yield
     finally:
-        checkpoint._checkpoint_without_reentrant_generator = original
+        checkpoint._checkpoint_without_reentrant_generator = without_reentrant
+        checkpoint.CheckpointFunction = reentrant
 
 
 _CHECKPOINT_TAGS = ("recompute", "ac_graph_id")
