@@ -4,6 +4,7 @@ check's turn between steps, and the import of `lazygrad` without the exporter.""
 from __future__ import annotations
 
 import copy
+import functools
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_close, assert_grads_equal, assert_loss_step_like_eager
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lazygrad
 from lazygrad import attach, graph_pair, turns
@@ -477,3 +479,81 @@ def test_the_users_saved_tensor_hooks_keep_what_they_packed():
         assert_close(*outputs, f"output, step {step}")
         assert_grads_equal(lazy, eager, f"step {step}")
     assert lazygrad.stats(lazy).hits == 2 and lazygrad.stats(lazy).fallbacks == 0
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op in matmuls else policy.PREFER_RECOMPUTE
+
+
+class SelectivelyCheckpointed(CheckpointedNet):
+    """Selective activation checkpointing: a policy saves the matmuls' results and recomputes
+    the rest (torch's `create_selective_checkpoint_contexts`)."""
+
+    def forward(self, x):
+        contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                     _save_matmuls)
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                                      context_fn=contexts)
+        return self.head(x)
+
+
+def test_selective_checkpointing_runs_whole_and_a_lazy_part_inside_it_runs_eagerly():
+    """A selective checkpoint's modes tag each op with its policy and their own region number,
+    None outside torch.compile, which the partitioner compares: the trace failed and the model
+    ran in parts, and a part inside the region crashed the recomputation (ORT's ops were not the
+    ones the forward's mode recorded). Regions are now numbered, and a lazy module called under
+    a dispatch mode runs as its plain self."""
+    torch.manual_seed(0)
+    eager = SelectivelyCheckpointed(True)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    parted = copy.deepcopy(eager)
+    parted.blocks[1] = lazygrad.lazy(parted.blocks[1])  # a lazy module inside a region
+    for step in range(3):
+        x = torch.randn(4, 8, 32)
+        outputs = []
+        for model in (lazy, parted, eager):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            out = model(x)
+            out.square().sum().backward()
+            outputs.append(out.detach())
+        assert_close(outputs[0], outputs[2], f"output, step {step}")
+        assert_close(outputs[1], outputs[2], f"output with a lazy part, step {step}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        assert_grads_equal(parted, eager, f"with a lazy part, step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
+
+
+class OpCounting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_lazy_module_under_a_dispatch_mode_runs_the_ops_eager_runs():
+    """A dispatch mode of the user's (an op logger, a FLOP counter, fake tensors for a memory
+    estimate) sees the module's ops: ORT's run showed it none of them."""
+    torch.manual_seed(0)
+    eager = CheckpointedNet(False)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.randn(4, 8, 32)
+    for _ in range(3):
+        lazy(x).sum().backward()
+    assert lazygrad.stats(lazy).hits == 2  # graphs serve this call
+    seen = []
+    for model in (lazy, eager):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with OpCounting() as counting:
+            model(x).sum().backward()
+        seen.append(counting.ops)
+    assert seen[0] == seen[1] and "aten.addmm.default" in seen[1]
+    assert lazygrad.stats(lazy).hits == 2

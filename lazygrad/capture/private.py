@@ -47,12 +47,16 @@ def traced_by_torch() -> bool:
     """Whether torch itself is tracing or transforming this call: torch.compile, torch.export
     and the ONNX exporter built on it, jit tracing (the TorchScript ONNX exporter), FX's
     symbolic tracing (torchvision's feature extractors), or a torch.func transform (grad,
-    vmap, jacrev). A lazy module then runs as its plain self, so torch sees, differentiates or
-    exports its PyTorch forward: run through ORT, torch.func raised and the exporters failed
-    on lazygrad's own call."""
+    vmap, jacrev); or whether a dispatch mode sees its ops (a selective checkpoint's, which
+    replays in the recomputation the ops it recorded in the forward; fake tensors for a memory
+    estimate; a FLOP counter). A lazy module then runs as its plain self, so torch sees,
+    differentiates or exports its PyTorch forward: run through ORT, torch.func raised, the
+    exporters failed on lazygrad's own call, and a lazy part inside a selective checkpoint
+    crashed the recomputation (ops it had not recorded)."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
             or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._len_torch_dispatch_stack() > 0)
 
 
 @contextlib.contextmanager
@@ -136,12 +140,17 @@ def checkpoints_recomputed() -> Iterator[None]:
                 meta.pop(key, None)
             meta.update(outer)
 
-    def tagged(*args: Any, **kwargs: Any) -> Iterator[None]:
+    def tagged(function: Callable[..., Any], preserve_rng_state: bool,
+               context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Iterator[None]:
         if threading.get_ident() != thread:
-            yield from without_reentrant(*args, **kwargs)
+            yield from without_reentrant(function, preserve_rng_state, context_fn, *args,
+                                         **kwargs)
             return
         with region():
-            yield from without_reentrant(*args, **kwargs)
+            if context_fn is not checkpoint.noop_context_fn:
+                context_fn = _numbered(context_fn, node_meta.current_meta["ac_graph_id"])
+            yield from without_reentrant(function, preserve_rng_state, context_fn, *args,
+                                         **kwargs)
 
     class Reentrant:
         @staticmethod
@@ -163,6 +172,21 @@ def checkpoints_recomputed() -> Iterator[None]:
 
 
 _CHECKPOINT_TAGS = ("recompute", "ac_graph_id")
+
+
+def _numbered(context_fn: Callable[[], Any], number: int) -> Callable[[], Any]:
+    """`context_fn` whose modes tag their region's number: a selective checkpoint's modes
+    (`create_selective_checkpoint_contexts`) tag each op with the policy it chose and with
+    their own `ac_graph_id`, None unless torch.compile numbered them, which the partitioner
+    compares with other regions' numbers."""
+    def numbered() -> Any:
+        contexts = context_fn()
+        for mode in contexts:
+            if getattr(mode, "ac_graph_id", number) is None:
+                mode.ac_graph_id = number
+        return contexts
+
+    return numbered
 
 
 @contextlib.contextmanager
