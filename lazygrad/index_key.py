@@ -17,8 +17,14 @@ background did the same after the fact, with the trace's memory beside the steps
 workload A's whole-process peak, `benchmarks/results/memory-targets.md`.) What the key cannot
 see is a module-level variable that the training script reassigns at run time; the README says
 so. Every value is hashed deterministically (the same bytes in every process) or not at all: a
-value that cannot be (a closure, a bound method, an object without `__dict__`) makes the key
-None, and that signature gets no index; so does a global module hook (`global_hooks.py`).
+value that cannot be (a closure of the user's code, a bound method, an object without
+`__dict__`) makes the key None, and that signature gets no index; so does a global module hook
+(`global_hooks.py`). A library's closure (a wrapper, as `torch._disable_dynamo`'s around
+`torch.utils.checkpoint.checkpoint`) is hashed with what it holds, a `functools.partial` as its
+function and arguments, a hook's handle not at all (the hook is hashed where the module holds
+it), and hook dicts as their hooks in order, not by handle ids (a process-wide counter): a
+model with gradient checkpointing got no key, and its second process ran its first steps
+eagerly.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from lazygrad import attach, global_hooks
 from lazygrad.code_globals import GlobalsRead, is_library
@@ -69,8 +76,8 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
             hasher.feed(("module", name, *_code(type(submodule))))
             hasher.code_modules.update(k.__module__ for k in type(submodule).__mro__)
             hasher.feed((list(submodule._parameters), list(submodule._buffers)))
-            hasher.feed({k: v for k, v in vars(submodule).items() if k not in _SKIPPED
-                         and not isinstance(v, attach.LazyForward)})
+            hasher.feed({k: v for k, v in _without_hook_ids(vars(submodule)).items()
+                         if k not in _SKIPPED and not isinstance(v, attach.LazyForward)})
         hasher.feed(list(state_names))
         hasher.feed(GlobalsRead(module).items())
         hasher.feed((signature.grad, signature.autocast, signature.tensors, signature.constants,
@@ -82,6 +89,27 @@ def index_key(module: torch.nn.Module, signature: Any, state_names: Iterable[str
     except Exception:  # an object that fails to be read (a TorchScript module's attributes):
         return None  # not sure, so no key
     return hasher.digest.hexdigest()
+
+
+# A module's hook dicts, by handle id (a process-wide counter: which hooks were registered
+# before, anywhere), and the dicts of flags keyed by the same ids.
+_HOOK_FLAGS = {"_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+               "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+               "_backward_hooks": (), "_backward_pre_hooks": ()}
+
+
+def _without_hook_ids(attributes: dict) -> dict:
+    """The module's attributes with each hook dict as its hooks in order, each with its flags:
+    two processes that register the same hooks after different others get the same key."""
+    found = dict(attributes)
+    for name, flag_names in _HOOK_FLAGS.items():
+        hooks = found.get(name)
+        if not isinstance(hooks, dict):
+            continue
+        flags = [found.pop(flag_name, {}) for flag_name in flag_names]
+        found[name] = [(hook, *(bool(flag.get(key)) for flag in flags))
+                       for key, hook in hooks.items()]
+    return found
 
 
 def pair_key(key: str, mask: tuple[bool, ...] | None) -> str:
@@ -271,12 +299,20 @@ class _Hasher:
         elif isinstance(value, (set, frozenset)) and all(type(v) in _PLAIN for v in value):
             self._put("set", sorted(map(repr, value)))
         elif isinstance(value, types.FunctionType):
-            if value.__closure__ is not None:
+            wrapper = is_library(value.__code__.co_filename)  # a library's closure: a wrapper
+            if value.__closure__ is not None and not wrapper:
                 raise Unhashable(f"a closure: {value.__qualname__}")
             self.code_modules.add(value.__module__)
             self._put("function", value.__module__, value.__qualname__,
                       value.__code__.co_firstlineno, _source_hash(value))
             self.feed((value.__defaults__, value.__kwdefaults__))
+            if value.__closure__ is not None:  # what it wraps (`torch._disable_dynamo`'s)
+                self.feed([cell.cell_contents for cell in value.__closure__])
+        elif isinstance(value, RemovableHandle):  # a hook's handle: the hook is hashed as held
+            self._put("hook handle")
+        elif isinstance(value, functools.partial):  # transformers' checkpointing function
+            self._put("partial")
+            self.feed((value.func, value.args, value.keywords))
         elif _python_object(value):
             cls = type(value)
             self.code_modules.update(k.__module__ for k in cls.__mro__)

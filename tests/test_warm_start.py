@@ -3,6 +3,7 @@ first step (the disk index), and an index that no longer matches the code is nev
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -201,6 +202,34 @@ def test_the_index_key_is_the_same_for_equal_models_and_none_where_it_cannot_be_
         assert _key(BertPretraining(config), *batch) is None
     finally:
         handle.remove()
+
+
+def _keep_requires_grad(module, args, output):
+    output.requires_grad_(True)
+
+
+def _checkpointing_model(reentrant: bool, hooks_before: int) -> torch.nn.Module:
+    """As transformers' `gradient_checkpointing_enable()` leaves a model: a checkpointing
+    function (a partial of torch's, itself a wrapper) on its layer, and a forward hook whose
+    handle the model keeps; `hooks_before` others registered first move the hook's id."""
+    for _ in range(hooks_before):
+        torch.nn.Identity().register_forward_hook(_keep_requires_grad)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    model[1].checkpointing = functools.partial(torch.utils.checkpoint.checkpoint,
+                                               use_reentrant=reentrant)
+    model.handle = model[0].register_forward_hook(_keep_requires_grad)
+    return model
+
+
+def test_the_index_key_hashes_a_checkpointing_function_and_hooks_by_what_they_are():
+    """A model with gradient checkpointing got no index key (a partial, a library's wrapper
+    function, a hook's handle), so a second process ran its first steps eagerly; and a hook
+    dict hashed by handle ids, which count every hook the process registered before."""
+    ids = torch.tensor([[1, 2, 3]])
+    key = _key(_checkpointing_model(False, 0), ids)
+    assert key is not None
+    assert _key(_checkpointing_model(False, 3), ids) == key
+    assert _key(_checkpointing_model(True, 0), ids) not in (None, key)
 
 
 def test_the_index_key_reads_the_helper_files_down_to_installed_packages(tmp_path, monkeypatch):
