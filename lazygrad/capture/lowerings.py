@@ -11,11 +11,14 @@ products; adaptive max pooling (torch decomposes only even windows) into masked 
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
 into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
-into a matrix product (`matrix_vector`); and an unstable sort into the stable one
-(`stable_sort`). Like torch._decomp's tables these compute the op itself, not a gradient of
-anything, and every graph built with them is checked against its FX graph (verify.py) before it
-serves a step. Replication padding and grid sampling are traced as torch._decomp's own
-decompositions (`as_torch_decomposes`), whose gradients translate.
+into a matrix product (`matrix_vector`); an unstable sort into the stable one
+(`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
+and torch choose alike; and attention's `_safe_softmax` into one that finds its masked rows in
+one reduction (`safe_softmax`: a translation ORT runs in six passes). Like torch._decomp's
+tables these compute the op itself, not a gradient of anything, and every graph built with
+them is checked against its FX graph (verify.py) before it serves a step. Replication padding
+and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
+whose gradients translate.
 """
 
 from __future__ import annotations
@@ -336,6 +339,20 @@ def stable_sort(
     return aten.sort.stable(self, stable=True, dim=dim, descending=descending)
 
 
+def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                sorted: bool = True) -> object:
+    """`topk(sorted=False)` as `topk(sorted=True)`, one of the orders it may return.
+
+    Unsorted, the order of the k results is open, and torch's CPU kernel and ONNX Runtime's TopK
+    chose differently: DeepSeek-V3's router picks its expert groups and experts so, the check
+    saw ORT's indices in another order than its FX graph's, refused the graphs, and every
+    decoder layer ran eagerly. The routing that follows does not depend on the order. A sorted
+    `topk` is traced as it is (NotImplemented: no decomposition)."""
+    if sorted:
+        return NotImplemented
+    return aten.topk.default(self, k, dim, largest, True)
+
+
 def _integral(tensor: torch.Tensor) -> bool:
     return not tensor.is_floating_point() and tensor.dtype != torch.bool
 
@@ -454,5 +471,6 @@ TABLE = {
     aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.sort.default: stable_sort,
+    aten.topk.default: sorted_topk,
     aten._safe_softmax.default: safe_softmax,
 }
