@@ -432,3 +432,27 @@ def test_an_unsorted_topk_routes_through_ort():
         sum_step_like_eager(lazy, eager, (torch.randn(64, 16),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0, stats.reasons
+
+
+class NumberFirst(torch.nn.Module):
+    """`torch.add(0.3333, mask, alpha=0.6667)`, as PhiMoE's router scales its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h * torch.add(0.3333, h > 0, alpha=0.6667).type_as(h) + torch.sub(1, h, alpha=2)
+
+
+def test_a_number_where_an_op_takes_a_tensor_exports():
+    """Traced, the number stays a number in the op's Tensor argument, for which the exporter
+    found no overload: PhiMoE ran in parts. It is exported as a 0-d tensor constant."""
+    torch.manual_seed(0)
+    eager = NumberFirst()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        sum_step_like_eager(lazy, eager, (torch.randn(4, 8),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0, stats.reasons
