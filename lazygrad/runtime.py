@@ -748,7 +748,8 @@ class Runtime:
         if captured.aliasing != entry.aliasing:
             raise CaptureError(
                 "the trace and eager PyTorch disagree on which outputs share memory (trace "
-                f"{captured.aliasing.sources}, eager {entry.aliasing.sources})"
+                f"{captured.aliasing.sources}, views {captured.aliasing.views}; eager "
+                f"{entry.aliasing.sources}, views {entry.aliasing.views})"
             )
         if mask is not None and any(
             bit and traced != eager

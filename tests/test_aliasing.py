@@ -8,6 +8,7 @@ Before, `hidden, hidden[:, 0]` trained silently wrong through ORT
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -162,3 +163,44 @@ def test_an_in_place_change_of_a_saved_root_is_refused_as_in_eager():
         with pytest.raises(RuntimeError, match="inplace"):
             out.sum().backward()
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+class ProjectedThroughDropout(torch.nn.Module):
+    """Ends in a Linear of a sequence through Dropout(p=0): eager's Linear returns a view of
+    its 2-D product, and Dropout without a draw hands it through."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.projection = torch.nn.Linear(8, 6)
+        self.dropout = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.dropout(self.projection(self.norm(x)))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_without_a_draw_hands_its_input_through_as_in_eager(training):
+    """torch's decomposition of `dropout` without a draw (p 0, or eval) returns a clone where
+    eager returns its input: the output was a view (of the Linear's product) in eager and a
+    tensor of its own in the trace, and the module ran in parts (wav2vec2's feature projection,
+    every HF model's dropout set to 0). It is traced as eager runs it; torch's own
+    decomposition is back once the trace is done."""
+    torch.manual_seed(0)
+    eager = ProjectedThroughDropout(0.0).train(training)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        x = torch.randn(2, 5, 8)
+        for module in (lazy, eager):
+            module.zero_grad(set_to_none=True)
+        got, want = lazy(x), eager(x)
+        assert_close(got.detach(), want.detach(), f"output, step {step}")
+        got.square().sum().backward()
+        want.square().sum().backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    decompositions = importlib.import_module("torch._decomp.decompositions")
+    assert all(kernel is decompositions.dropout
+               for kernel in torch.ops.aten.dropout.default.py_kernels.values()
+               if getattr(kernel, "__name__", "") == "dropout")

@@ -445,9 +445,21 @@ def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor
     return kernel
 
 
+def dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    """`dropout` as eager computes it: without a draw (p 0, or not training) it hands its input
+    through. torch's decomposition returns a clone, another tensor than eager's: a module whose
+    output a Linear made through Dropout(p=0) (eager's: a view of the Linear's product, the
+    trace's: a clone) ran in parts, refused for outputs that share memory unlike eager's."""
+    if train and p != 0:
+        return aten.native_dropout.default(input, p, train)[0]
+    return input
+
+
 # Ops traced as what they compute (`private.composite_kernels`), above autograd: the backward
-# ops of their own kernels (fused, or restrided) have no ONNX translation.
+# ops of their own kernels (fused, or restrided) have no ONNX translation; and `dropout` as
+# eager computes it.
 COMPOSITE = {
+    aten.dropout.default: dropout,
     aten._weight_norm.default: weight_norm,
     aten.embedding_bag.padding_idx: embedding_bag,
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,

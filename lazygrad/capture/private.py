@@ -198,17 +198,27 @@ def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
 
     An op that is composite already is given the kernel at its own key; one with an autograd
     kernel of its own (replication padding) at the Autograd key, which that kernel would take
-    first."""
+    first; and at the Autograd key too where torch put a Python kernel of its own there
+    (`dropout`'s decomposition). torch's own Python kernels are put back on the way out."""
     composite = torch._C.DispatchKey.CompositeImplicitAutograd
-    keys = {op: composite if op.has_kernel_for_dispatch_key(composite)
-            else torch._C.DispatchKey.Autograd for op in kernels}
+    autograd = torch._C.DispatchKey.Autograd
+    keys = {op: [composite] if op.has_kernel_for_dispatch_key(composite) else [autograd]
+            for op in kernels}
+    for op, found in keys.items():
+        if autograd in op.py_kernels and autograd not in found:
+            found.append(autograd)
+    previous = {(op, key): op.py_kernels.get(key) for op, found in keys.items() for key in found}
     for op, kernel in kernels.items():
-        op.py_impl(keys[op])(kernel)
+        for key in keys[op]:
+            op.py_kernels.pop(key, None)
+            op.py_impl(key)(kernel)
     try:
         yield
     finally:
-        for op, key in keys.items():
+        for (op, key), kernel in previous.items():
             op.py_kernels.pop(key, None)
+            if kernel is not None:
+                op.py_kernels[key] = kernel
             op._dispatch_cache.clear()
 
 
