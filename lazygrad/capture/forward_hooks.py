@@ -101,7 +101,11 @@ def _users(hook: Callable[..., Any]) -> bool:
 
 def _watched(hook: Callable[..., Any], name: str, found: list[str]) -> Callable[..., Any]:
     def watched(*args: Any, **kwargs: Any) -> Any:
-        return _call_watched(hook, name, found, args, kwargs)
+        with _Computing() as computing:
+            result = hook(*args, **kwargs)
+        if result is None and not computing.ops:
+            found.append(name)
+        return result
 
     return watched
 
@@ -113,15 +117,6 @@ def _hidden_from_this_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
         return None if threading.get_ident() == thread else hook(*args, **kwargs)
 
     return hidden
-
-
-def _call_watched(hook: Callable[..., Any], name: str, found: list[str], args: tuple,
-                  kwargs: dict) -> Any:
-    with _Computing() as computing:
-        result = hook(*args, **kwargs)
-    if result is None and not computing.ops:
-        found.append(name)
-    return result
 
 
 class _Computing(TorchFunctionMode):
