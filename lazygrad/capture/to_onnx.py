@@ -100,40 +100,29 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
 
 
 def _numbers_as_tensors(gm: fx.GraphModule) -> None:
-    """Python numbers where an op's schema takes a Tensor become 0-d tensor constants, in place.
+    """A Python number as an op's first argument where its schema takes a Tensor becomes a 0-d
+    tensor constant, in place.
 
     `torch.add(0.3333, mask, alpha=0.6667)` (PhiMoE's router gradient) traces as
     `add.Tensor(0.3333, mask)`: torch wraps the number into a tensor, the graph keeps the
-    number, and the exporter finds no overload for it. A 0-d tensor of the number's default
-    dtype promotes as the number does (a 0-d tensor does not widen a tensor of its category)."""
+    number, and the exporter finds no overload for it (as the second argument it translates
+    it). A 0-d tensor of the number's default dtype promotes as the number does (a 0-d tensor
+    does not widen a tensor of its category)."""
     count = 0
     for node in list(gm.graph.nodes):
         schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
+        if node.op != "call_function" or schema is None or not node.args \
+                or not schema.arguments or not isinstance(schema.arguments[0].type,
+                                                          torch.TensorType) \
+                or not isinstance(node.args[0], (bool, int, float)):
             continue
-        tensors = {spec.name: position for position, spec in enumerate(schema.arguments)
-                   if isinstance(spec.type, torch.TensorType)}
-        args = list(node.args)
-        kwargs = dict(node.kwargs)
-        changed = False
-        for name, position in tensors.items():
-            within = position < len(args)
-            value = args[position] if within else kwargs.get(name)
-            if not isinstance(value, (bool, int, float)):
-                continue
-            attribute = f"_lazygrad_number_{count}"
-            count += 1
-            setattr(gm, attribute, torch.tensor(value))
-            with gm.graph.inserting_before(node):
-                constant = gm.graph.get_attr(attribute)
-            constant.meta["val"] = getattr(gm, attribute)
-            if within:
-                args[position] = constant
-            else:
-                kwargs[name] = constant
-            changed = True
-        if changed:
-            node.args, node.kwargs = tuple(args), kwargs
+        attribute = f"_lazygrad_number_{count}"
+        count += 1
+        gm.register_buffer(attribute, torch.tensor(node.args[0]))
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(attribute)
+        constant.meta["val"] = getattr(gm, attribute)
+        node.args = (constant, *node.args[1:])
     if count:
         gm.recompile()
 
