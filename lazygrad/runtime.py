@@ -262,11 +262,15 @@ class Runtime:
         opaque = opaque_leaf(call)
         if opaque is not None:
             name = self._leaf_names(args, kwargs)[opaque]
-            kind = type(call.leaves[opaque]).__name__
+            kind = type(call.leaves[opaque])
+            # A Hugging Face model hands its layers the cache it fills while `use_cache` is on.
+            cache = kind.__module__.startswith("transformers") and kind.__name__.endswith("Cache")
             self._say_once(
-                f"{type(self.module).__name__}: its calls with {name} (a {kind}) run in eager "
-                "PyTorch: a graph would hold what that object holds as constants, and would not "
-                "make the changes the forward makes to it", stacklevel=7)
+                f"{type(self.module).__name__}: its calls with {name} (a {kind.__name__}) run "
+                "in eager PyTorch: a graph would hold what that object holds as constants, and "
+                "would not make the changes the forward makes to it"
+                + (" (in training, `use_cache=False` keeps the model from making one)"
+                   if cache else ""), stacklevel=7)
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)

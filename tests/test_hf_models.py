@@ -272,3 +272,21 @@ def test_bert_with_gradient_checkpointing_runs_whole_and_saves_what_eager_saves(
             assert saved[0] == saved[1] == (config.num_hidden_layers + 1) * activation
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2, stats.reasons
+
+
+class TakesACache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, past_key_values=None):
+        return self.linear(x)
+
+
+def test_a_call_with_a_cache_runs_eagerly_and_says_how_to_avoid_it():
+    """A decoder layer that runs as a part is handed the cache its model fills while
+    `use_cache` is on: an object argument, so its calls run eagerly (Llama 4's and Qwen3-Next's
+    layers, whose models run in parts). The warning says how training avoids it."""
+    lazy = lazygrad.lazy(TakesACache())
+    with pytest.warns(lazygrad.FallbackWarning, match=r"a DynamicCache\).*use_cache=False"):
+        lazy(torch.randn(2, 4), past_key_values=transformers.DynamicCache()).sum().backward()
