@@ -429,7 +429,8 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     out = aten._softmax.default(input, dim, False) if dtype is None else \
         aten._softmax.default(input.to(dtype), dim, False)
     masked_rows = aten.eq.Scalar(aten.amax.default(input, [dim], True), float("-inf"))
-    return aten.where.self(masked_rows, aten.scalar_tensor.default(0.0, dtype=out.dtype), out)
+    zero = aten.scalar_tensor.default(0.0, dtype=out.dtype, device=out.device)
+    return aten.where.self(masked_rows, zero, out)
 
 
 def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
