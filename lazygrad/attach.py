@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lazygrad.capture.private import traced_by_torch
+from lazygrad.capture.private import in_checkpoint_region, traced_by_torch
 
 RUNTIME = "_lazygrad_runtime"
 OPTIONS = "_lazygrad_options"
@@ -29,7 +29,7 @@ class LazyForward:
         self.runtime = runtime
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if traced_by_torch():
+        if traced_by_torch() or in_checkpoint_region():
             return run_forward(self.runtime.module, *args, **kwargs)
         return self.runtime(args, kwargs)
 

@@ -235,3 +235,44 @@ def test_a_failing_submodule_condemns_only_those_of_its_class_with_its_settings(
     parts = lazygrad.stats(lazy).parts
     assert lazygrad.stats(lazy).breaks == 1 and parts["1"].hits == 0
     assert parts["4"].hits > 0 and parts["4"].fallbacks == 0
+
+
+class CheckpointsABranchingBlock(torch.nn.Module):
+    """Its own code branches on a value (so it runs in parts); its block runs checkpointed,
+    recomputed in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                         torch.nn.Linear(16, 8))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        if h.sum() > 0:
+            h = h * 2
+        return self.head(h)
+
+
+def test_a_lazy_part_inside_a_checkpointed_region_runs_as_its_plain_self():
+    """The first backward builds and finds a break, and the block becomes a lazy part; the
+    checkpointed region, recomputed later in that same backward, then ran the block as a lazy
+    part where its forward had run it plain, and torch's checkpoint refused the difference:
+    the step crashed (DeepSeek-V3 with gradient checkpointing). The same at the part's own
+    first call: eager in the forward, through ORT in the recomputation once its graphs were
+    built. A lazy module inside a checkpointed region now runs as its plain self, in the
+    forward and in the recomputation. Every step trains as eager; the head, outside the
+    region, runs through ORT."""
+    torch.manual_seed(0)
+    eager = CheckpointsABranchingBlock()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    with pytest.warns(lazygrad.GraphBreakWarning, match="depends on tensor values"):
+        for step in range(4):
+            x = torch.randn(6, 8)
+            for model in (lazy, eager):
+                model.zero_grad(set_to_none=True)
+                model(x).square().sum().backward()
+            assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.parts["head"].hits >= 2 and stats.parts["block"].hits == 0
+    assert all(part.fallbacks == 0 for part in stats.parts.values())

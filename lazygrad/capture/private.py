@@ -59,6 +59,21 @@ def traced_by_torch() -> bool:
             or torch._C._len_torch_dispatch_stack() > 0)
 
 
+def in_checkpoint_region() -> bool:
+    """Whether this call runs inside a non-reentrant `torch.utils.checkpoint` region, in its
+    forward or in its recomputation (its saved-tensor hooks are the innermost). torch compares
+    the tensors the recomputation saves with those the forward saved, so a lazy module there
+    must run alike both times, which it cannot promise: a first call runs eagerly behind a probe,
+    and if its graphs are built by the recomputation (the probe's backward builds them, in the
+    same backward), the recomputation ran through ORT, and torch refused the difference: the
+    step crashed. Inside a region a lazy module runs as its plain self."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return False
+    owner = getattr(hooks[0], "__qualname__", "").partition(".")[0]
+    return owner in ("_checkpoint_hook", "_recomputation_hook")
+
+
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
     """Inside, on this thread only: `torch.compiler.is_compiling()` is True, so models skip
@@ -293,9 +308,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "plain_lstm", "checkpoints_recomputed", "composite_kernels", "in_backward",
-           "queue_at_backward_end", "release_saved_tensors", "set_versions", "replay_view",
-           *_LAZY]
+__all__ = ["compiling", "in_checkpoint_region", "plain_lstm", "checkpoints_recomputed",
+           "composite_kernels", "in_backward", "queue_at_backward_end", "release_saved_tensors",
+           "set_versions", "replay_view", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
