@@ -87,6 +87,18 @@ def _step(model, x, seed: int, mask):
     return outputs, grads, torch.rand(1)
 
 
+def _masked_step_like_eager(lazy, eager, x, step: int, mask, what: str):
+    """One seeded step of each model (`_step`): outputs, gradients and the generator's state
+    after it are eager's. Returns the lazy model's outputs and gradients."""
+    outputs, grads, after = _step(lazy, x, 100 + step, mask)
+    expected, _, eager_after = _step(eager, x, 100 + step, mask)
+    for got, want in zip(outputs, expected):
+        assert_close(got.detach(), want.detach(), f"{what}: output")
+    assert_grads_equal(lazy, eager, what)
+    assert torch.equal(after, eager_after), f"{what}: the generator moved unlike eager's"
+    return outputs, grads
+
+
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_op_draws_what_eager_draws_and_a_recompute_reuses_the_draws(name):
     torch.manual_seed(0)
@@ -95,12 +107,7 @@ def test_random_op_draws_what_eager_draws_and_a_recompute_reuses_the_draws(name)
     x = torch.randn(5, 6)
     for step, mask in enumerate(MASKS):
         what = f"{name} step {step} mask {mask}"
-        outputs, grads, after = _step(lazy, x, 100 + step, mask)
-        expected, _, eager_after = _step(eager, x, 100 + step, mask)
-        for got, want in zip(outputs, expected):
-            assert_close(got.detach(), want.detach(), f"{what}: output")
-        assert_grads_equal(lazy, eager, what)
-        assert torch.equal(after, eager_after), f"{what}: the generator moved unlike eager's"
+        outputs, grads = _masked_step_like_eager(lazy, eager, x, step, mask, what)
         if step > 0:
             assert ran_through_ort(outputs), what
             again, grads_again, _ = _step(lazy, x, 100 + step, mask)  # same seed, same step
@@ -325,13 +332,7 @@ def test_the_stash_keeps_a_dropouts_mask_not_its_draw_and_a_missed_plan_draws_it
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     x = torch.randn(5, 6)
     for step, mask in enumerate(MASKS):
-        what = f"step {step} mask {mask}"
-        outputs, _, after = _step(lazy, x, 100 + step, mask)
-        expected, _, eager_after = _step(eager, x, 100 + step, mask)
-        for got, want in zip(outputs, expected):
-            assert_close(got.detach(), want.detach(), f"{what}: output")
-        assert_grads_equal(lazy, eager, what)
-        assert torch.equal(after, eager_after), f"{what}: the generator moved unlike eager's"
+        _masked_step_like_eager(lazy, eager, x, step, mask, f"step {step} mask {mask}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.recomputes == 2 and stats.builds == 3
 
