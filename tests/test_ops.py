@@ -392,8 +392,8 @@ class Attention(torch.nn.Module):
 
 def test_attention_finds_its_fully_masked_rows_with_one_reduction():
     """SDPA's math path (`_safe_softmax`) compared every score with -inf, cast twice, reduced
-    and selected against an expanded zero tensor: six passes over each layer's scores, 4-6% of
-    a Hugging Face BERT's steady step. The graph now reduces each row to its maximum once."""
+    and selected against an expanded zero tensor: six passes over each layer's scores. The
+    graph now reduces each row to its maximum once."""
     torch.manual_seed(0)
     eager = Attention()
     lazy = lazygrad.lazy(copy.deepcopy(eager))

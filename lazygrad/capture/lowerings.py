@@ -424,8 +424,8 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     maximum is -inf exactly when every element is (a NaN row's maximum is NaN, not masked, as
     in torch's). torch's decomposition compares every element with -inf, casts twice, reduces,
     and expands a zero tensor for the select: six passes over each layer's attention scores,
-    4-6% of a Hugging Face BERT's steady step through ORT, where eager's fused attention makes
-    none. Its gradient stays torch's formula for the op (`_softmax_backward_data`)."""
+    where eager's fused attention makes none. Its gradient stays torch's formula for the op
+    (`_softmax_backward_data`)."""
     out = aten._softmax.default(input, dim, False) if dtype is None else \
         aten._softmax.default(input.to(dtype), dim, False)
     masked_rows = aten.eq.Scalar(aten.amax.default(input, [dim], True), float("-inf"))
