@@ -205,6 +205,32 @@ def _numbered(context_fn: Callable[[], Any], number: int) -> Callable[[], Any]:
 
 
 @contextlib.contextmanager
+def float64_numbers() -> Iterator[None]:
+    """While exporting, a Python float whose type the op's translation does not bind (a
+    `Scalar` argument: clamp's bounds, `add`'s alpha, `masked_fill`'s value, a fill value)
+    becomes a float64 constant, not the exporter's float32 one: the translation casts it to its
+    tensor's type, so a float64 graph computed with it rounded to float32 (1e-8 off where eager
+    is 1e-16 off). Only for graphs that compute in float64 (`to_onnx`): one export at a time."""
+    building = importlib.import_module("torch.onnx._internal.exporter._building")
+    ir = importlib.import_module("onnx_ir")
+    determine = building._determine_input_dtype
+
+    def wide(param: Any, arg: Any, binding: Any) -> Any:
+        dtype = determine(param, arg, binding)
+        if isinstance(arg, float) and dtype == ir.DataType.FLOAT \
+                and param.type_constraint not in binding \
+                and len(param.type_constraint.allowed_types) != 1:
+            return ir.DataType.DOUBLE
+        return dtype
+
+    building._determine_input_dtype = wide
+    try:
+        yield
+    finally:
+        building._determine_input_dtype = determine
+
+
+@contextlib.contextmanager
 def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
     """Inside, each op (an OpOverload) is decomposed above autograd by the kernel given, so its
     gradient comes from the formulas of the ops the kernel is written with (a fused op's own
@@ -309,7 +335,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 __all__ = ["compiling", "in_checkpoint_region", "plain_lstm", "checkpoints_recomputed",
-           "composite_kernels", "in_backward", "queue_at_backward_end", "release_saved_tensors",
+           "float64_numbers", "composite_kernels", "in_backward", "queue_at_backward_end", "release_saved_tensors",
            "set_versions", "replay_view", *_LAZY]
 
 

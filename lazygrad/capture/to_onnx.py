@@ -85,8 +85,10 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         constants=constants,
         verifiers=None,
     )
+    wide = any(_dtype(node) == torch.float64 for node in gm.graph.nodes)
     with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            private.fx_config.patch(backed_size_oblivious=True):
+            private.fx_config.patch(backed_size_oblivious=True), \
+            private.float64_numbers() if wide else contextlib.nullcontext():
         warnings.simplefilter("ignore")
         module = program.graph_module
         private.onnx_fx_passes.insert_type_promotion_nodes(module)
@@ -100,31 +102,49 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
 
 
 def _numbers_as_tensors(gm: fx.GraphModule) -> None:
-    """A Python number as an op's first argument where its schema takes a Tensor becomes a 0-d
-    tensor constant, in place.
+    """A Python number where an op's schema takes a Tensor becomes a 0-d tensor constant, in
+    place, where the exporter would translate it otherwise than eager computes:
 
-    `torch.add(0.3333, mask, alpha=0.6667)` (PhiMoE's router gradient) traces as
-    `add.Tensor(0.3333, mask)`: torch wraps the number into a tensor, the graph keeps the
-    number, and the exporter finds no overload for it (as the second argument it translates
-    it). A 0-d tensor of the number's default dtype promotes as the number does (a 0-d tensor
-    does not widen a tensor of its category)."""
+    - as the op's first argument: `torch.add(0.3333, mask, alpha=0.6667)` (PhiMoE's router
+      gradient) traces as `add.Tensor(0.3333, mask)`; torch wraps the number into a tensor, the
+      graph keeps the number, and the exporter finds no overload for it;
+    - a float in an op that computes in float64: the exporter makes every number a float32
+      constant cast to the op's type, so a float64 model computed with its constants (an
+      epsilon, `1/N` in BatchNorm's backward, GELU's `1/sqrt(2)`) rounded to float32, 1e-9
+      off where eager is 1e-16 off.
+
+    The constant is float64 where the op computes in float64, else of the number's default
+    dtype: a 0-d tensor promotes as the number does (it does not widen a tensor of its
+    category)."""
     count = 0
     for node in list(gm.graph.nodes):
         schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not node.args \
-                or not schema.arguments or not isinstance(schema.arguments[0].type,
-                                                          torch.TensorType) \
-                or not isinstance(node.args[0], (bool, int, float)):
+        if node.op != "call_function" or schema is None:
             continue
-        attribute = f"_lazygrad_number_{count}"
-        count += 1
-        gm.register_buffer(attribute, torch.tensor(node.args[0]))
-        with gm.graph.inserting_before(node):
-            constant = gm.graph.get_attr(attribute)
-        constant.meta["val"] = getattr(gm, attribute)
-        node.args = (constant, *node.args[1:])
+        wide = any(isinstance(arg, fx.Node) and _dtype(arg) == torch.float64
+                   for arg in node.args)
+        args = list(node.args)
+        for index, (arg, declared) in enumerate(zip(args, schema.arguments)):
+            if not isinstance(declared.type, torch.TensorType) \
+                    or not isinstance(arg, (bool, int, float)) \
+                    or not (index == 0 or (wide and isinstance(arg, float))):
+                continue
+            value = torch.tensor(arg, dtype=torch.float64 if wide and isinstance(arg, float)
+                                 else None)
+            attribute = f"_lazygrad_number_{count}"
+            count += 1
+            gm.register_buffer(attribute, value)
+            with gm.graph.inserting_before(node):
+                args[index] = gm.graph.get_attr(attribute)
+            args[index].meta["val"] = value
+        node.args = tuple(args)
     if count:
         gm.recompile()
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _lift_constants(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[str, torch.Tensor]]:

@@ -49,7 +49,7 @@ class Traced:
 
 
 @functools.cache
-def decompositions() -> dict:
+def decompositions(wide: bool = False) -> dict:
     """The exporter's own decomposition table, applied at trace time, plus two of ours.
 
     `nll_loss_forward`: torchlib (onnxscript 0.7.2) translates it with a fake `total_weight`
@@ -57,6 +57,12 @@ def decompositions() -> dict:
     `_native_batch_norm_legit_functional` (BatchNorm in training): ONNX's BatchNormalization
     updates the running variance with the biased batch variance, torch with the unbiased one
     (the check caught it). And the ops ONNX cannot express as they are (lowerings.py).
+
+    `wide` (a call with float64 tensors): also the activations whose ONNX ops take their
+    numbers as float32 attributes (LeakyRelu's slope, Elu's alpha, HardSigmoid's 1/6), which
+    a float64 model would compute with, 1e-8 off where eager is 1e-16 off; decomposed, their
+    numbers are float64 constants (`to_onnx._numbers_as_tensors`). And the normalizations,
+    whose translations type their statistics as float32 (ORT refused the graph).
     """
     registry = onnx_registry()
     implemented = set(private.onnx_decomp.get_onnx_implemented_overloads(registry))
@@ -73,7 +79,22 @@ def decompositions() -> dict:
     # `torch.tensor(min(length, span))` (decomposed, the slice's bound was unknown data).
     table.pop(aten.lift_fresh.default, None)
     table.update(lowerings.TABLE)
+    if wide:
+        table.update(private.get_decompositions(FLOAT64_DECOMPOSED))
     return table
+
+
+# Ops a float64 graph computes otherwise than eager, or not at all, unless decomposed.
+FLOAT64_DECOMPOSED = [
+    getattr(aten, name) for name in (
+        "leaky_relu", "leaky_relu_backward", "elu", "elu_backward", "celu", "selu",
+        "softplus", "softplus_backward", "hardtanh", "hardtanh_backward",
+        "hardsigmoid", "hardsigmoid_backward", "hardswish", "hardswish_backward",
+        "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
+        "native_group_norm_backward", "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training", "native_batch_norm_backward",
+    )
+]
 
 
 _REGISTRY = None
@@ -162,7 +183,8 @@ def trace(
             return gm
 
         compiled = private.aot_function(
-            fn, keep_first, keep_first, partition_fn=partition, decompositions=decompositions()
+            fn, keep_first, keep_first, partition_fn=partition,
+            decompositions=decompositions(any(p.dtype == torch.float64 for p in primals))
         )
         try:
             # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
