@@ -167,6 +167,7 @@ class Runtime:
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
         self._changing_calls = 0  # first calls in a row that changed the module's attributes
+        self._changing = False  # its calls change its attributes: it runs in parts from then on
         # per signature with its numbers left out: the numbers' values met (`_numbers_churn`)
         self._numbers_seen: dict[Signature, set[tuple]] = {}
         directory = disk_cache.default_directory()
@@ -191,6 +192,8 @@ class Runtime:
             self._exact_sizes.clear()
             self._last_sized = None
             self._doomed = None
+            self._changing, self._changing_calls = False, 0
+            self._numbers_seen.clear()
             self._building.clear()
             self._generation += 1
         for _, part in self._parts or []:
@@ -259,6 +262,9 @@ class Runtime:
             with self._lock:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
+        if self._changing:
+            # Its own forward in eager PyTorch; its parts' calls reach their runtimes.
+            return self.forward_fn(self.module, *args, **kwargs)
         opaque = opaque_leaf(call)
         if opaque is not None:
             name = self._leaf_names(args, kwargs)[opaque]
@@ -973,12 +979,26 @@ class Runtime:
         )
 
     def _fall_back_for_changes(self, before: tuple, after: tuple) -> None:
-        """Calls in a row change the module's own plain attributes (a counter): each call is
-        a signature of its own and runs eagerly; say so once, with the attributes' names."""
+        """Calls in a row change the module's own plain attributes (a counter, a tensor kept
+        for a look later: an attention map, RecurrentGemma's recurrent states): each call is
+        a signature of its own. Said once, with the attributes' names. A module with parts
+        runs in parts from then on, as a break (its parts' attributes are theirs to judge:
+        those that change run eagerly, the others through ORT); before, the whole model ran
+        eagerly. One without runs eagerly, as a fallback."""
         names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
-        self._say_once(f"{type(self.module).__name__}: each call changes the module's own "
-                       f"attributes ({', '.join(names)}), which graphs are specialised on, so "
-                       "its calls run in eager PyTorch", stacklevel=10)
+        reason = (f"{type(self.module).__name__}: each call changes the module's own "
+                  f"attributes ({', '.join(names)}), which graphs are specialised on")
+        if self.options.strict or not self._part_runtimes():
+            self._say_once(f"{reason}, so its calls run in eager PyTorch", stacklevel=10)
+            return
+        with self._lock:
+            self._changing = True
+            self.stats.breaks += 1
+            self.stats.reasons.append(reason)
+        warnings.warn(
+            f"lazygrad runs this module in parts: {reason}. Its submodules run through ORT "
+            "where they can, each captured on its own; the rest of its forward runs in eager "
+            "PyTorch (see lazygrad.stats(model).parts)", GraphBreakWarning, stacklevel=9)
 
     def _say_once(self, reason: str, stacklevel: int) -> None:
         """A fallback that no signature holds (the calls it covers run eagerly before one is

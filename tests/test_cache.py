@@ -174,15 +174,94 @@ def test_a_first_call_that_sets_up_the_module_builds_for_the_module_as_set_up():
     assert (stats.eager_steps, stats.hits, stats.fallbacks) == (2, 2, 0)
 
 
+def test_a_module_that_counts_its_calls_runs_in_parts_and_says_so_once():
+    """Its own code runs eagerly, as each call's count is a signature of its own; its Linear,
+    whose attributes do not change, through ORT (before, the whole module ran eagerly)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", lazygrad.GraphBreakWarning)
+        stats = _steps_like_eager(counting=True, steps=5)
+    # Two calls that changed its attributes, then in parts: the Linear's first call builds.
+    assert (stats.builds, stats.eager_steps, stats.fallbacks, stats.breaks) == (0, 2, 0, 1)
+    assert (stats.parts["linear"].builds, stats.parts["linear"].hits) == (1, 2)
+    said = [str(w.message) for w in caught if issubclass(w.category, lazygrad.GraphBreakWarning)]
+    assert len(said) == 1 and "attributes (calls)" in said[0]
+    assert stats.reasons[0] in said[0]
+
+
+class CountsItsCalls(torch.nn.Module):
+    """No submodules: nothing to run in parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 4))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x @ self.weight * (2.0 if self.calls % 3 == 0 else 1.0)
+
+
 @pytest.mark.falls_back
-def test_a_module_that_counts_its_calls_runs_every_call_eagerly_and_says_so_once():
+def test_a_module_without_parts_that_counts_its_calls_runs_eagerly_and_says_so_once():
+    torch.manual_seed(0)
+    eager = CountsItsCalls()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    x = torch.randn(5, 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", lazygrad.FallbackWarning)
-        stats = _steps_like_eager(counting=True, steps=4)
+        for step in range(4):
+            sum_step_like_eager(lazy, eager, (x,), f"step {step}")
+            assert lazy.calls == eager.calls
+    stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.eager_steps, stats.hits, stats.fallbacks) == (0, 4, 0, 1)
     said = [str(w.message) for w in caught if issubclass(w.category, lazygrad.FallbackWarning)]
     assert len(said) == 1 and "attributes (calls)" in said[0]
     assert said[0].endswith(stats.reasons[0])
+
+
+class KeepsItsScores(torch.nn.Module):
+    """Keeps its last attention scores for a look later, as visualisation code does (and
+    RecurrentGemma its recurrent states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = torch.nn.Linear(6, 6)
+        self.key = torch.nn.Linear(6, 6, bias=False)  # a bias softmax cancels: no gradient
+        self.scores = None
+
+    def forward(self, x):
+        scores = (self.query(x) @ self.key(x).T).softmax(-1)
+        self.scores = scores.detach()
+        return scores @ x
+
+
+class AttentionThenHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = KeepsItsScores()
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.head(self.attention(x))
+
+
+@pytest.mark.falls_back  # in parts
+def test_a_module_that_keeps_a_tensor_of_each_call_runs_in_parts_down_to_it():
+    """A tensor attribute set at every call is a signature per call: the modules that hold
+    it run their own code eagerly, so each call keeps eager's tensor; every other part runs
+    through ORT (before, the whole model ran eagerly)."""
+    torch.manual_seed(0)
+    eager = AttentionThenHead()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    for step in range(7):
+        x = torch.randn(5, 6)
+        sum_step_like_eager(lazy, eager, (x,), f"step {step}")
+        assert torch.allclose(lazy.attention.scores, eager.attention.scores, atol=1e-6), step
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 1)
+    assert stats.parts["attention"].breaks == 1
+    for name in ("head", "attention.query", "attention.key"):
+        assert stats.parts[name].hits >= 1 and stats.parts[name].fallbacks == 0, name
 
 
 class Settings:
