@@ -361,6 +361,8 @@ class Runtime:
             if key is not None and self._serve_from_index(signature, call, state, key):
                 return self._call(signature, call, state, args, kwargs)
             if entry is None and self._numbers_churn(signature, call, args, kwargs):
+                if self._parts:  # its own code eagerly, its parts through their runtimes
+                    return self.forward_fn(self.module, *args, **kwargs)
                 with self._lock:
                     self.stats.eager_steps += 1
                 return self._eager(args, kwargs)
@@ -392,8 +394,10 @@ class Runtime:
         that have taken `NUMBER_VALUES` values already (a temperature or a step count passed
         at every call): a graph is specialised on each number, so each value was a build that
         served no later call, and every step ran eagerly beside a queue of builds, unsaid.
-        Such calls run eagerly without a build, said once; the values built before still
-        serve."""
+        Such calls run without a build, said once: in parts where the module has parts (its
+        own code, which reads the number, eagerly; its parts, which are handed tensors,
+        through ORT: a gradient reversal's coefficient on a schedule), else eagerly. The
+        values built before still serve."""
         numbers = {i for i, (kind, _) in enumerate(signature.constants) if kind in (int, float)}
         if not numbers:
             return False
@@ -411,10 +415,13 @@ class Runtime:
         constants = [p for p, leaf in enumerate(call.leaves) if not isinstance(leaf, torch.Tensor)]
         every = self._leaf_names(args, kwargs)
         names = ", ".join(every[constants[i]] for i in changing)
-        self._say_once(
-            f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph is "
-            "specialised on the numbers it is given, so its calls with a new value run in eager "
-            "PyTorch (pass a number that changes from call to call as a tensor)", stacklevel=10)
+        reason = (f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph "
+                  "is specialised on the numbers it is given")
+        if self.options.strict or not self._part_runtimes():
+            self._say_once(f"{reason}, so its calls with a new value run in eager PyTorch (pass "
+                           "a number that changes from call to call as a tensor)", stacklevel=10)
+            return True
+        self._say_in_parts(f"{reason}, so its calls with a new value run in parts", stacklevel=10)
         return True
 
     def _leaf_names(self, args: tuple, kwargs: dict) -> list[str]:
@@ -993,12 +1000,20 @@ class Runtime:
             return
         with self._lock:
             self._changing = True
+        self._say_in_parts(reason, stacklevel=10)
+
+    def _say_in_parts(self, reason: str, stacklevel: int) -> None:
+        """A break that no signature holds (every call it covers runs in parts from now on):
+        counted and warned once per reason. `stacklevel`: the user's call, counted from here."""
+        with self._lock:
+            if reason in self.stats.reasons:
+                return
             self.stats.breaks += 1
             self.stats.reasons.append(reason)
         warnings.warn(
             f"lazygrad runs this module in parts: {reason}. Its submodules run through ORT "
             "where they can, each captured on its own; the rest of its forward runs in eager "
-            "PyTorch (see lazygrad.stats(model).parts)", GraphBreakWarning, stacklevel=9)
+            "PyTorch (see lazygrad.stats(model).parts)", GraphBreakWarning, stacklevel=stacklevel)
 
     def _say_once(self, reason: str, stacklevel: int) -> None:
         """A fallback that no signature holds (the calls it covers run eagerly before one is
