@@ -196,4 +196,5 @@ def _decode(data: bytes) -> Graphs | None:
         differentiable=header["differentiable"],
         sized=[tuple(number) for number in header["sized"]],
         seconds=header["seconds"],
+        check=header.get("check"),
     )

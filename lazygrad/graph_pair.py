@@ -22,6 +22,11 @@ from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols
 from lazygrad.session import GraphSession
 
 
+class ChecksFailed(Exception):
+    """An argument check the forward makes (a distribution's `validate_args`) did not hold:
+    the call runs again in eager PyTorch, which raises the check's own error."""
+
+
 class GraphPair:
     def __init__(
         self, graphs: Graphs, mask: tuple[bool, ...] | None, persistent: int, arena: bool
@@ -105,11 +110,16 @@ class GraphPair:
     def forward(
         self, primals: Sequence[torch.Tensor], draws: Sequence[torch.Tensor], device: torch.device
     ) -> list[torch.Tensor]:
-        """The forward graph's results: mutated state, output bases, saved tensors."""
+        """The forward graph's results: mutated state, output bases, saved tensors. Raises
+        `ChecksFailed` where the forward's argument checks did not all hold (`checks.py`)."""
         session = self.session("forward", device)
         values = [*primals, *draws]
         positions = self._feed_positions("forward", len(primals), len(draws))
-        return session.run(list(map(values.__getitem__, positions)))
+        results = session.run(list(map(values.__getitem__, positions)))
+        check = self.graphs.check
+        if check is not None and not bool(results[check]):
+            raise ChecksFailed
+        return results
 
     def write_back(self, primals: Sequence[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
         """Write the state the forward updated (BatchNorm's running statistics) to its tensors."""

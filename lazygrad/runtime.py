@@ -44,7 +44,7 @@ from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, e
 from lazygrad.forecast import MaskForecast
 from lazygrad.function import LazyFunction, behind_probe
 from lazygrad.graph_cache import GraphCache
-from lazygrad.graph_pair import GraphPair
+from lazygrad.graph_pair import ChecksFailed, GraphPair
 from lazygrad.index_key import index_key, pair_key, sizes_key
 from lazygrad.module_state import ModuleState, plain_attributes
 from lazygrad.options import Options
@@ -385,6 +385,10 @@ class Runtime:
                 roots = self._infer(pair, primals, env, device)
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
+        except ChecksFailed:  # eager raises the check's own error
+            with self._lock:
+                self.stats.eager_steps += 1
+            return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
         return entry.template.rebuild(outputs, pair.sizes_of(env))
 

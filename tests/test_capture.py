@@ -394,3 +394,75 @@ def test_batchnorm_training_updates_running_stats_like_eager_then_eval_matches()
             assert_close(lazy(x), eager(x), f"eval call {step}")
     _assert_bn_state_equal(lazy, eager, "after eval")
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Argument checks on values (torch.distributions' validate_args)
+
+
+class GaussianEncoder(torch.nn.Module):
+    """A VAE's encoder and loss: `Normal` checks its scale is positive and its mean a number,
+    `log_prob` that the action is in `Categorical`'s support, each a branch on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.nn.Linear(8, 8)
+        self.decode = torch.nn.Linear(4, 8)
+        self.policy = torch.nn.Linear(4, 3)
+
+    def forward(self, x, action, scale_shift):
+        mean, log_scale = self.encode(x).chunk(2, -1)
+        posterior = torch.distributions.Normal(mean, log_scale.exp() + scale_shift)
+        z = posterior.rsample()
+        prior = torch.distributions.Normal(torch.zeros_like(mean), torch.ones_like(mean))
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(-1).mean()
+        policy = torch.distributions.Categorical(logits=self.policy(z))
+        return F.mse_loss(self.decode(z), x) + kl - policy.log_prob(action).mean(), z
+
+
+def test_distributions_checks_run_in_the_graph_and_a_failed_one_raises_eagers_error():
+    """The model ran in parts. Its checks are results of the graph now: a call where one fails
+    runs again in eager PyTorch, which raises the distribution's own error, as without lazygrad."""
+    torch.manual_seed(0)
+    eager = GaussianEncoder()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(5, 8, generator=generator)
+        action = torch.randint(0, 3, (5,), generator=generator)
+        for model in (lazy, eager):
+            torch.manual_seed(step)  # the same draws for rsample
+            model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss, z = lazy(x, action, torch.zeros(()))
+        torch.manual_seed(step)
+        expected_loss, expected_z = eager(x, action, torch.zeros(()))
+        assert_close(loss.detach(), expected_loss.detach(), f"step {step} loss")
+        assert_close(z.detach(), expected_z.detach(), f"step {step} sample")
+        loss.backward()
+        expected_loss.backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons
+    # A check that fails in the graph: the call runs eagerly and raises eager's error; the
+    # graphs still serve the next calls.
+    negative_scale = torch.tensor(-10.0)
+    with pytest.raises(ValueError) as expected:
+        eager(x, action, negative_scale)
+    said = str(expected.value).split("(")[0]
+    with pytest.raises(ValueError, match=said):
+        lazy(x, action, negative_scale)
+    assert lazygrad.stats(lazy).eager_steps == stats.eager_steps + 1
+    with torch.no_grad():
+        for _ in range(2):  # the inference graph: built, then serving
+            lazy(x, action, torch.zeros(()))
+        with pytest.raises(ValueError, match=said):
+            lazy(x, action, negative_scale)
+    assert lazygrad.stats(lazy).eager_steps == stats.eager_steps + 3
+    with pytest.raises(ValueError):  # outside Categorical's support: ORT's gather fails first
+        lazy(x, torch.full((5,), 3), torch.zeros(()))
+    lazy(x, action, torch.zeros(()))[0].backward()
+    after = lazygrad.stats(lazy)
+    assert (after.fallbacks, after.breaks) == (0, 0), after.reasons
+    # through ORT: the last training call, and two inference calls (the second one failed)
+    assert sum(entry.hits for entry in after.entries) == stats.hits + 3

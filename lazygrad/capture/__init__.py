@@ -86,6 +86,7 @@ class Graphs:
     differentiable: list[bool]  # per module output: requires grad in the trace
     sized: list[tuple[int, str]]  # numbers of the result that are sizes: (position, code)
     seconds: dict[str, float]
+    check: int | None = None  # forward result: whether its argument checks held (`checks.py`)
 
 
 @dataclasses.dataclass
@@ -174,7 +175,7 @@ def capture(
                 head.rewrite(gm)
         masked = [i for i, bit in enumerate(outputs_share.root_mask(mask or ())) if bit]
         tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs),
-                           outputs_share, masked)
+                           outputs_share, masked, fn.checked)
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 peephole.rewrite(gm)
@@ -249,6 +250,7 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         differentiable=captured.differentiable,
         sized=captured.sized,
         seconds=seconds,
+        check=tidied.check,
     )
 
 

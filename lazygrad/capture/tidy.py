@@ -69,12 +69,14 @@ class Tidy:
     outputs: list[OutputView]  # per module output
     grads_for: list[int]  # primal index of each backward output
     grad_reach: list[list[int]]  # per backward output: the roots whose cotangents reach it
+    check: int | None = None  # the forward result saying whether its argument checks held
 
 
 def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: int,
-         aliasing: Aliasing, masked: list[int]) -> Tidy:
+         aliasing: Aliasing, masked: list[int], checked: bool = False) -> Tidy:
     """`num_outputs`: how many tensors the traced function returned (its roots, then its other
-    outputs, `trace.Functional`); `masked`: the roots that have a cotangent, in order."""
+    outputs, then whether its checks held if `checked`: `trace.Functional`); `masked`: the roots
+    that have a cotangent, in order."""
     fw, bw = parts.forward, parts.backward
     for gm in (fw, bw):
         if gm is not None:
@@ -89,6 +91,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
     mutation_results = results[:n_mut]
     user = results[n_mut : n_mut + num_outputs]
     saved = results[n_mut + num_outputs :]
+    held = user.pop() if checked else None
 
     sources: dict[str, fx.Node] = {}  # backward placeholder name -> the forward node it reads
     backward_feeds: list[Feed] = []
@@ -110,6 +113,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         base, chain = strip_views(node)
         roots.append(OutputSlot(slot(base), [_view_step(view) for view in reversed(chain)]))
     outputs = _output_views(aliasing, root_nodes, iter(user[aliasing.root_count :]), fw_inputs)
+    check = None if held is None else slot(held)
     for node in sources.values():
         if node.op != "placeholder":
             slot(node)  # a forward intermediate the backward reads (a base, never a view)
@@ -152,6 +156,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         outputs=outputs,
         grads_for=grads_for,
         grad_reach=grad_reach,
+        check=check,
     )
 
 

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
 from lazygrad import global_hooks
-from lazygrad.capture import aliases, draws, lowerings, private, symbols
+from lazygrad.capture import aliases, checks, draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -198,7 +198,7 @@ def trace(
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
                     private.plain_lstm(), private.composite_kernels(lowerings.COMPOSITE), \
-                    private.checkpoints_recomputed():
+                    private.checkpoints_recomputed(), checks.deferred():
                 outputs = compiled(*fakes)
         except CaptureError:
             raise
@@ -455,7 +455,9 @@ class Functional:
     output that is not a root itself, detached (`aliases.py`): the roots carry the gradients,
     and the traced graph holds each view, from which `tidy` reads how to make it in torch.
     After a run, `aliasing`, `differentiable` (per output), `numbers` (how many the result
-    holds) and `sized` (those that are sizes, as code) say what it saw.
+    holds), `sized` (those that are sizes, as code) and `checked` say what it saw. `checked`:
+    the forward made argument checks on values (`checks.py`); whether they all held is its
+    last result, after the outputs.
 
     `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
     numbers of a result that are sizes. A root that no output in `mask` is made from is
@@ -488,13 +490,14 @@ class Functional:
         self.differentiable: list[bool] = []
         self.sized: list[tuple[int, str]] = []
         self.numbers = 0
+        self.checked = False
 
     def __call__(self, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         count = len(self.names)
         state = dict(zip(self.names, primals[:count]))
         args, kwargs = self.rebuild(list(primals[count:]))
         given = _contents(args, kwargs)
-        with eager_mode():
+        with eager_mode(), checks.kept() as made:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
         if _contents(args, kwargs) != given:
             raise CaptureError(
@@ -515,5 +518,6 @@ class Functional:
         others = [o.detach() for o, (kind, _), view in zip(outputs, self.aliasing.sources,
                                                            self.aliasing.views)
                   if kind == "primal" or view]
-        return (*roots, *others)
+        self.checked = bool(made)
+        return (*roots, *others, *([checks.all_held(made)] if made else []))
 
