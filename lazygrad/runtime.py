@@ -263,8 +263,7 @@ class Runtime:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
         if self._changing:
-            # Its own forward in eager PyTorch; its parts' calls reach their runtimes.
-            return self.forward_fn(self.module, *args, **kwargs)
+            return self._changing_call(args, kwargs)
         opaque = opaque_leaf(call)
         if opaque is not None:
             name = self._leaf_names(args, kwargs)[opaque]
@@ -989,13 +988,25 @@ class Runtime:
             stacklevel=5,
         )
 
+    def _changing_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call of a module whose calls change its attributes: its own forward in eager
+        PyTorch, its parts' calls through their runtimes. A call that changes none ends it (a
+        set-up done over the first calls): the next call is captured whole again."""
+        with self._lock:
+            before = self._state.read()[1]
+        result = self.forward_fn(self.module, *args, **kwargs)
+        with self._lock:
+            if self._state.read()[1] == before:
+                self._changing, self._changing_calls = False, 0
+        return result
+
     def _fall_back_for_changes(self, before: tuple, after: tuple) -> None:
         """Calls in a row change the module's own plain attributes (a counter, a tensor kept
         for a look later: an attention map, RecurrentGemma's recurrent states): each call is
         a signature of its own. Said once, with the attributes' names. A module with parts
-        runs in parts from then on, as a break (its parts' attributes are theirs to judge:
-        those that change run eagerly, the others through ORT); before, the whole model ran
-        eagerly. One without runs eagerly, as a fallback."""
+        runs in parts while its calls change them, as a break (its parts' attributes are
+        theirs to judge: those that change run eagerly, the others through ORT); before, the
+        whole model ran eagerly. One without runs eagerly, as a fallback."""
         names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
         reason = (f"{type(self.module).__name__}: each call changes the module's own "
                   f"attributes ({', '.join(names)}), which graphs are specialised on")

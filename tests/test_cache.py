@@ -188,6 +188,31 @@ def test_a_module_that_counts_its_calls_runs_in_parts_and_says_so_once():
     assert stats.reasons[0] in said[0]
 
 
+class SetUpOverTwoCalls(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+        self.stage = 0
+
+    def forward(self, x):
+        self.stage = min(self.stage + 1, 2)
+        return self.linear(x)
+
+
+@pytest.mark.falls_back  # in parts while set up
+def test_a_set_up_over_two_calls_runs_in_parts_until_done_then_whole_through_ort():
+    torch.manual_seed(0)
+    eager = SetUpOverTwoCalls()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    x = torch.randn(5, 6)
+    for step in range(6):
+        sum_step_like_eager(lazy, eager, (x,), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    # Two changing calls, one in parts that changes nothing, then the set-up model's first
+    # call builds and the next two run whole through ORT.
+    assert (stats.exports, stats.hits, stats.fallbacks, stats.breaks) == (1, 2, 0, 1)
+
+
 class CountsItsCalls(torch.nn.Module):
     """No submodules: nothing to run in parts."""
 
