@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from lazygrad.capture import private
 from lazygrad.capture.partition import output_node, placeholders
-from lazygrad.capture.trace import onnx_registry
+from lazygrad.capture.trace import in_float64, onnx_registry
 
 # The exporter keeps state in module globals and warnings.catch_warnings swaps process-wide
 # state: one export at a time, whatever the thread.
@@ -85,7 +85,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         constants=constants,
         verifiers=None,
     )
-    wide = any(_dtype(node) == torch.float64 for node in gm.graph.nodes)
+    wide = in_float64(p.meta.get("val") for p in inputs if p.name not in constants)
     with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
             private.fx_config.patch(backed_size_oblivious=True), \
             private.float64_numbers() if wide else contextlib.nullcontext():

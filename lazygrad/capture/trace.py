@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import operator
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ def decompositions(wide: bool = False) -> dict:
     updates the running variance with the biased batch variance, torch with the unbiased one
     (the check caught it). And the ops ONNX cannot express as they are (lowerings.py).
 
-    `wide` (a call with float64 tensors): also the activations whose ONNX ops take their
+    `wide` (a float64 call, `in_float64`): also the activations whose ONNX ops take their
     numbers as float32 attributes (LeakyRelu's slope, Elu's alpha, HardSigmoid's 1/6), which
     a float64 model would compute with, 1e-8 off where eager is 1e-16 off; decomposed, their
     numbers are float64 constants (`to_onnx._numbers_as_tensors`). And the normalizations,
@@ -95,6 +95,15 @@ FLOAT64_DECOMPOSED = [
         "_native_batch_norm_legit_no_training", "native_batch_norm_backward",
     )
 ]
+
+
+def in_float64(values: Iterable[object]) -> bool:
+    """Whether a graph of these inputs computes in float64: it has floating-point ones, all
+    float64 (a float64 model). A float32 model with a float64 buffer is not: its graphs stay
+    as they were (the float64 treatment decomposes its normalizations, and a float64 constant
+    meets its float32 ops)."""
+    dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return bool(dtypes) and all(dtype == torch.float64 for dtype in dtypes)
 
 
 _REGISTRY = None
@@ -184,7 +193,7 @@ def trace(
 
         compiled = private.aot_function(
             fn, keep_first, keep_first, partition_fn=partition,
-            decompositions=decompositions(any(p.dtype == torch.float64 for p in primals))
+            decompositions=decompositions(in_float64(primals))
         )
         try:
             # Grad mode on: builds may run inside a backward, where it is off. The fake mode active
