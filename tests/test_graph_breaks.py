@@ -276,3 +276,30 @@ def test_a_lazy_part_inside_a_checkpointed_region_runs_as_its_plain_self():
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.parts["head"].hits >= 2 and stats.parts["block"].hits == 0
     assert all(part.fallbacks == 0 for part in stats.parts.values())
+
+
+class InvertsItsProjection(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.linalg.inv(self.linear(x) + 3 * torch.eye(3))
+
+
+def test_an_op_that_orders_its_error_check_by_an_effect_token_is_named_as_the_reason():
+    """`linalg.inv` checks its errors through an op with side effects, which AOTAutograd
+    orders with a token it keeps itself: the token was named ("the forward keeps 1 traced
+    tensor ... a hook or other user code stores them"), hiding the reason, an op without an
+    ONNX translation."""
+    torch.manual_seed(0)
+    eager = InvertsItsProjection()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _step(lazy, eager, (torch.randn(2, 3, 3),), lambda o: o.sum(), f"step {step}")
+    breaks = _warnings_of(caught, lazygrad.GraphBreakWarning)
+    assert len(breaks) == 1 and "linalg_inv_ex" in breaks[0], breaks
+    assert "keeps" not in breaks[0]
+    assert lazygrad.stats(lazy).parts["linear"].hits == 1

@@ -49,7 +49,18 @@ def refuse_kept_tensors(made: dict[int, Callable[[], Any]], mode: object) -> Non
 
 def _kept(made: dict[int, Callable[[], Any]], mode: object) -> list[torch.Tensor]:
     alive = (reference() for reference in made.values())
-    return [tensor for tensor in alive if tensor is not None and _mode_of(tensor) is mode]
+    return [tensor for tensor in alive
+            if tensor is not None and _mode_of(tensor) is mode and not _effect_token(tensor)]
+
+
+def _effect_token(tensor: torch.Tensor) -> bool:
+    """Whether AOTAutograd itself keeps `tensor`, as the token that orders an op with side
+    effects (linalg's error checks), in a dict keyed by the effect's type: no user code kept
+    it. (It was named as the reason for running in parts, hiding the real one: `linalg_inv_ex`
+    has no ONNX translation.)"""
+    holders = [r for r in gc.get_referrers(tensor) if isinstance(r, dict)]
+    keys = [key for holder in holders for key, value in holder.items() if value is tensor]
+    return bool(keys) and all(isinstance(key, private.EffectType) for key in keys)
 
 
 def _mode_of(tensor: torch.Tensor) -> object:

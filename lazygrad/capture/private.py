@@ -304,6 +304,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "aot_function": ("torch._functorch.aot_autograd", "aot_function"),
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "PhiloxStateTracker": ("torch._decomp.decompositions_for_rng", "PhiloxStateTracker"),
+    "EffectType": ("torch._library.effects", "EffectType"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
     "ExportedProgram": ("torch.export", "ExportedProgram"),
