@@ -102,6 +102,8 @@ class ModuleState:
         self._state: dict[str, torch.Tensor] = {}
         self._attributes: _Attributes | None = None
         self._globals: GlobalsRead | None = None
+        # id(submodule) -> the tensor attributes each call writes (`exclude`)
+        self._written: dict[int, frozenset[str]] = {}
 
     def read(self) -> tuple[dict[str, torch.Tensor], tuple]:
         """Parameters and buffers by qualified name, and the plain attributes of every
@@ -110,6 +112,8 @@ class ModuleState:
         if self._version != _structure_version or not self._current():
             self._walk()
         dicts = list(map(vars, self._modules))
+        if self._written:
+            dicts = [_without(d, self._written.get(id(m))) for d, m in zip(dicts, self._modules)]
         attributes = self._attributes
         global_values = self._globals.values()
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
@@ -121,6 +125,32 @@ class ModuleState:
             attributes = self._attributes = _read(dicts, attributes, self._globals,
                                                   global_values, self._state_ids)
         return self._state, attributes.modes
+
+    def written_between(self, before: tuple, after: tuple) -> dict[int, frozenset[str]] | None:
+        """What a call that turned the modes `before` into `after` changed, if it changed
+        tensor attributes alone (a weight norm's `weight`, set by its pre-hook at every call; a
+        tensor kept for a look later): id(submodule) -> their names. None if it changed
+        anything else (a plain value, a hook, a global)."""
+        count = len(self._modules)
+        if len(before) != len(after) or before[count:] != after[count:]:
+            return None
+        written = {}
+        for module, old, new in zip(self._modules, before, after):
+            if old == new:
+                continue
+            tensors = {name for name, value in new if _is_tensor_mode(value)}
+            names = {name for name, _ in set(old) ^ set(new)}
+            if not names <= tensors:
+                return None
+            written[id(module)] = frozenset(names)
+        return written or None
+
+    def exclude(self, written: dict[int, frozenset[str]]) -> None:
+        """Leave these tensor attributes (id(submodule) -> names) out of the modes: each call
+        writes them before reading them, so they are results of the call, not part of what
+        it is captured for (`Runtime._adopt_writes`)."""
+        self._written = written
+        self._attributes = None
 
     @property
     def uninitialized(self) -> bool:
@@ -151,6 +181,17 @@ class ModuleState:
         self._lazy = [t for t in self._tensors if is_lazy(t)]
         self._state_ids = frozenset(map(id, self._tensors))
         self._state = state
+
+
+def _without(attributes: dict, names: frozenset[str] | None) -> dict:
+    if not names:
+        return attributes
+    return {key: value for key, value in attributes.items() if key not in names}
+
+
+def _is_tensor_mode(value: object) -> bool:
+    """Whether a mode's value is a tensor attribute's (`_modes_of`)."""
+    return type(value) is tuple and len(value) == 3 and value[0] == "tensor"
 
 
 def _get(table: Any, name: str) -> Any:

@@ -168,6 +168,8 @@ class Runtime:
         self._ids = itertools.count()
         self._changing_calls = 0  # first calls in a row that changed the module's attributes
         self._changing = False  # its calls change its attributes: it runs in parts from then on
+        # (submodule path, name) of the tensor attributes each call writes (`_adopt_writes`)
+        self._writes: tuple[tuple[str, str], ...] = ()
         # per signature with its numbers left out: the numbers' values met (`_numbers_churn`)
         self._numbers_seen: dict[Signature, set[tuple]] = {}
         directory = disk_cache.default_directory()
@@ -389,7 +391,7 @@ class Runtime:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
-        return entry.template.rebuild(outputs, pair.sizes_of(env))
+        return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))
 
     def _numbers_churn(self, signature: Signature, call: FlatCall, args: tuple,
                        kwargs: dict) -> bool:
@@ -497,12 +499,12 @@ class Runtime:
                 self.stats.eager_steps += 1
             self._changing_calls = self._changing_calls + 1 if changed else 0
             every_call = self._changing_calls == 2
-        if every_call:  # not a set-up done once: said once, as a fallback
+        if every_call and not self._adopt_writes(signature.modes, modes):
             self._fall_back_for_changes(signature.modes, modes)
         if changed:
             return result
         try:
-            template, tensors = OutputTemplate.of(result)
+            template, tensors = OutputTemplate.of(self._with_writes(result, self.module))
         except ValueError as error:
             return self._fall_back(signature, call, args, kwargs, str(error), result)
         state_names = list(state)
@@ -538,7 +540,7 @@ class Runtime:
         probe = _FirstBackward(self, signature, entry, primals, len(roots), probed, device)
         for k, root in zip(probed, behind_probe(probe, [roots[k] for k in probed])):
             roots[k] = root
-        return template.rebuild(shared.remake(tensors, roots))
+        return self._written(template.rebuild(shared.remake(tensors, roots)))
 
     def first_backward(self, signature: Signature, entry: SignatureEntry, mask: Mask,
                        primals: list[torch.Tensor], cotangents: tuple,
@@ -749,7 +751,7 @@ class Runtime:
         with builder.autocast(signature.autocast):
             captured = capture(
                 module,
-                self.forward_fn,
+                self._forward_and_writes,
                 entry.state_names,
                 primals,
                 entry.call.rebuild,
@@ -787,7 +789,7 @@ class Runtime:
     def _index_key(self, signature: Signature, state: dict) -> str | None:
         """The signature's key in the disk index (`index_key.py`); None without a disk cache or
         where something cannot be hashed deterministically (then it has no index records)."""
-        if self._disk is None:
+        if self._disk is None or self._writes:  # what it writes is no part of the key
             return None
         return index_key(self.module, signature, list(state), self.options.policy,
                          self.options.segments, disk_cache.versions())
@@ -880,8 +882,8 @@ class Runtime:
         `create_graph` (a backward that is differentiable itself: a gradient penalty, MAML):
         the forward is run again from the primals themselves, not detached copies, so the
         gradients' own graph reaches the parameters and inputs, as eager's does."""
-        forward = Functional(self.module, self.forward_fn, entry.state_names, entry.call.rebuild,
-                             tensors_of, None)
+        forward = Functional(self.module, self._forward_and_writes, entry.state_names,
+                             entry.call.rebuild, tensors_of, None)
         inputs = list(primals) if create_graph else [
             p.detach().requires_grad_(p.requires_grad) for p in primals]
         wanted = [i for i, p in enumerate(inputs) if p.requires_grad]
@@ -987,6 +989,45 @@ class Runtime:
             FallbackWarning,
             stacklevel=5,
         )
+
+    def _adopt_writes(self, before: tuple, after: tuple) -> bool:
+        """Calls in a row change tensor attributes alone (`ModuleState.written_between`): a
+        weight norm's or spectral norm's `weight` and a pruned layer's, set by their pre-hooks
+        at every call, a tensor kept for a look later. They become results of each call,
+        written to the module after it as eager writes them (`_written`), and leave the
+        signature: the module is captured with them. Before, it ran eagerly, then in parts
+        with those layers eagerly. False if anything else changed."""
+        written = self._state.written_between(before, after)
+        if written is None:
+            return False
+        paths = {id(m): name for name, m in self.module.named_modules(remove_duplicate=False)}
+        with self._lock:
+            self._writes = tuple(sorted((paths[key], name) for key, names in written.items()
+                                        for name in names))
+            self._state.exclude(written)
+            self._changing_calls = 0
+        return True
+
+    def _forward_and_writes(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The forward whose graphs are captured: the module's result, and then the tensor
+        attributes the call wrote (`_adopt_writes`), if any."""
+        return self._with_writes(self.forward_fn(module, *args, **kwargs), module)
+
+    def _with_writes(self, result: Any, module: torch.nn.Module) -> Any:
+        if not self._writes:
+            return result
+        return result, tuple(getattr(module.get_submodule(path), name)
+                             for path, name in self._writes)
+
+    def _written(self, rebuilt: Any) -> Any:
+        """The module's result from a rebuilt `_forward_and_writes` result, with the tensor
+        attributes it holds written to the module, as the eager call would."""
+        if not self._writes:
+            return rebuilt
+        result, values = rebuilt
+        for (path, name), value in zip(self._writes, values):
+            setattr(self.module.get_submodule(path), name, value)
+        return result
 
     def _changing_call(self, args: tuple, kwargs: dict) -> Any:
         """A call of a module whose calls change its attributes: its own forward in eager

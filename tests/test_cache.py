@@ -270,23 +270,22 @@ class AttentionThenHead(torch.nn.Module):
         return self.head(self.attention(x))
 
 
-@pytest.mark.falls_back  # in parts
-def test_a_module_that_keeps_a_tensor_of_each_call_runs_in_parts_down_to_it():
-    """A tensor attribute set at every call is a signature per call: the modules that hold
-    it run their own code eagerly, so each call keeps eager's tensor; every other part runs
-    through ORT (before, the whole model ran eagerly)."""
+def test_a_module_that_keeps_a_tensor_of_each_call_is_captured_with_it():
+    """A tensor attribute set at every call was a signature per call (the whole model ran
+    eagerly, then in parts down to the module that sets it). Two calls in a row that change
+    tensor attributes alone make them results of each call: graphs are captured with them,
+    and each ORT step writes eager's tensor to the module."""
     torch.manual_seed(0)
     eager = AttentionThenHead()
     lazy = lazy_copy(eager, wait_for_builds=True)
-    for step in range(7):
+    for step in range(6):
         x = torch.randn(5, 6)
         sum_step_like_eager(lazy, eager, (x,), f"step {step}")
         assert torch.allclose(lazy.attention.scores, eager.attention.scores, atol=1e-6), step
     stats = lazygrad.stats(lazy)
-    assert (stats.fallbacks, stats.breaks) == (0, 1)
-    assert stats.parts["attention"].breaks == 1
-    for name in ("head", "attention.query", "attention.key"):
-        assert stats.parts[name].hits >= 1 and stats.parts[name].fallbacks == 0, name
+    # Two calls that changed the scores, one that builds, then three through ORT.
+    assert (stats.hits, stats.fallbacks, stats.breaks, stats.eager_steps) == (3, 0, 0, 3)
+    assert stats.parts == {}
 
 
 class Settings:

@@ -466,3 +466,19 @@ def test_distributions_checks_run_in_the_graph_and_a_failed_one_raises_eagers_er
     assert (after.fallbacks, after.breaks) == (0, 0), after.reasons
     # through ORT: the last training call, and two inference calls (the second one failed)
     assert sum(entry.hits for entry in after.entries) == stats.hits + 3
+
+
+def test_a_tensor_attribute_read_and_then_replaced_by_the_trace_is_refused():
+    """A state kept from call to call (read, then replaced) would be a constant of the graph:
+    the value it had at the trace, where each eager call reads the last call's."""
+    from lazygrad.capture import CaptureError
+    from lazygrad.capture.trace import refuse_reads_of_replaced, tensor_attributes
+
+    module = torch.nn.Linear(2, 2)
+    module.previous = torch.ones(2)
+    before = tensor_attributes(module)
+    gm = torch.fx.symbolic_trace(lambda x: x + module.previous)  # the old value, as a constant
+    module.previous = torch.zeros(2)  # replaced by the call
+    with pytest.raises(CaptureError, match="'previous' and then replaces it"):
+        refuse_reads_of_replaced(gm, before, module)
+    refuse_reads_of_replaced(gm, tensor_attributes(module), module)  # not replaced: fine

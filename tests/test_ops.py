@@ -493,3 +493,37 @@ def test_a_float64_model_runs_through_ort_to_float64_precision():
     assert ran_through_ort([out])
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+
+
+def _hook_normed(norm) -> torch.nn.Module:
+    """A discriminator-shaped model whose layers are normed by a pre-hook that sets their
+    `weight` at every call (`torch.nn.utils.spectral_norm` also steps its power iteration's
+    buffers in training)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.LeakyReLU(0.2),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 1))
+    model[0], model[3] = norm(model[0]), norm(model[3])
+    return model
+
+
+@pytest.mark.parametrize("norm", [torch.nn.utils.spectral_norm, torch.nn.utils.weight_norm])
+def test_a_norm_set_by_a_pre_hook_runs_through_ort_and_leaves_eagers_weight(norm):
+    """Their `weight` is a tensor attribute each call writes: the model ran eagerly, then in
+    parts with those layers (all of its parameters) eagerly. It is a result of each call now,
+    written to the layer as eager writes it."""
+    torch.manual_seed(0)
+    eager = _hook_normed(norm)
+    torch.manual_seed(0)  # the same model again: weight_norm's `weight` cannot be deep-copied
+    lazy = lazygrad.lazy(_hook_normed(norm), wait_for_builds=True)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (lazy, eager)]
+    for step in range(5):
+        x = torch.randn(4, 3, 8, 8)
+        sum_step_like_eager(lazy, eager, (x,), f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+        for layer in (0, 3):
+            assert_close(lazy[layer].weight.detach(), eager[layer].weight.detach(),
+                         f"step {step} layer {layer} weight")
+        for (name, got), want in zip(lazy.named_buffers(), eager.buffers()):
+            assert_close(got, want, f"step {step} {name}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons

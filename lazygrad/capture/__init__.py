@@ -153,9 +153,11 @@ def capture(
     dynamic = [[False] * p.dim() for p in primals[:count]]
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
     training = mask is not None and any(mask)
+    attributes = trace.tensor_attributes(module)
     with escapes.watching() as made, python_random.refusing_draws(module), \
             forward_hooks.watching(module) as side_effects, trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
+        trace.refuse_reads_of_replaced(traced.joint, attributes, module)
     # Once the module holds its own tensors again:
     escapes.refuse_kept_tensors(made, traced.mode)
     forward_hooks.refuse_side_effects(side_effects)  # a hook that keeps a tensor is named above

@@ -334,6 +334,37 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
             )
 
 
+def tensor_attributes(module: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Every submodule's plain tensor attributes, by (id(submodule), name)."""
+    return {(id(m), name): value for m in module.modules() for name, value in vars(m).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def refuse_reads_of_replaced(gm: fx.GraphModule, before: dict[tuple[int, str], torch.Tensor],
+                             module: torch.nn.Module) -> None:
+    """A tensor attribute the forward replaces (a state kept from call to call) must not have
+    been read before: the graph would hold the value it had at the trace as a constant, where
+    each eager call reads the last call's. Called before the trace's writes are undone."""
+    after = tensor_attributes(module)
+    replaced = {t.untyped_storage().data_ptr(): name for (key, name), t in before.items()
+                if after.get((key, name)) is not t and t.numel()}
+    if not replaced:
+        return
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(node.target)(gm)
+        if not isinstance(value, torch.Tensor) or not value.numel() or isinstance(
+                value, private.FakeTensor):
+            continue
+        name = replaced.get(value.untyped_storage().data_ptr())
+        if name is not None:
+            raise CaptureError(
+                f"the forward reads its tensor attribute {name!r} and then replaces it: a graph "
+                "would hold the value it had at the trace, where each call reads the last "
+                "call's", submodule_of(node))
+
+
 def _untranslatable(gm: fx.GraphModule) -> list[tuple[str, str]]:
     """Ops of `gm` that the exporter's registry has no translation for, with their submodule.
 
