@@ -1010,8 +1010,19 @@ class Runtime:
 
     def _forward_and_writes(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The forward whose graphs are captured: the module's result, and then the tensor
-        attributes the call wrote (`_adopt_writes`), if any."""
-        return self._with_writes(self.forward_fn(module, *args, **kwargs), module)
+        attributes the call wrote (`_adopt_writes`), if any. A call that leaves one of them
+        as it was (written in training only, say) is not captured: its graphs would write the
+        value the attribute had at the trace back at every step."""
+        if not self._writes:
+            return self.forward_fn(module, *args, **kwargs)
+        before = self._with_writes(None, module)[1]
+        result = self._with_writes(self.forward_fn(module, *args, **kwargs), module)
+        kept = [f"{path}.{name}".lstrip(".") for (path, name), old, new
+                in zip(self._writes, before, result[1]) if new is old]
+        if kept:
+            raise CaptureError(f"this call leaves {', '.join(kept)} as it was, where the "
+                               "module's other calls write it: its graphs would write it back")
+        return result
 
     def _with_writes(self, result: Any, module: torch.nn.Module) -> Any:
         if not self._writes:

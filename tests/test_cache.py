@@ -288,6 +288,41 @@ def test_a_module_that_keeps_a_tensor_of_each_call_is_captured_with_it():
     assert stats.parts == {}
 
 
+class KeepsItsLastTrainingOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x):
+        out = self.linear(x)
+        if self.training:
+            self.last = out.detach()
+        return out
+
+
+@pytest.mark.falls_back  # its eval calls run in parts
+def test_a_call_that_leaves_a_written_attribute_as_it_was_is_not_captured():
+    """Its graphs would write back the value the attribute had at the trace (a stale training
+    output) at every eval call: its eval calls run in parts, and the attribute stays eager's."""
+    torch.manual_seed(0)
+    eager = KeepsItsLastTrainingOutput()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    for step in range(4):
+        sum_step_like_eager(lazy, eager, (torch.randn(2, 4),), f"step {step}")
+    kept = lazy.last
+    for model in (lazy, eager):
+        model.eval()
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(2, 4)
+            assert_close(lazy(x), eager(x), f"eval call {call}")
+            assert lazy.last is kept, call
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.fallbacks, stats.breaks) == (1, 0, 1)
+    assert "leaves last as it was" in stats.reasons[0]
+
+
 class Settings:
     """A plain object of settings that the forward reads at every call (a Hugging Face config)."""
 
