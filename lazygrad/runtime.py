@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import operator
 import threading
 import time
 import warnings
@@ -491,7 +492,11 @@ class Runtime:
         the signature, so graphs for the one it started with would serve no later call (a
         set-up done once, as Hugging Face installing its output hooks at the first forward;
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
+        written = self._written_values(self.module)
         result = self._eager_or_explain(args, kwargs, call)
+        if any(map(operator.is_, written, self._written_values(self.module))):
+            self._drop_writes()  # this call left one as it was: part of the signature again
+            return result
         with self._lock:
             modes = self._state.read()[1]
             changed = modes != signature.modes
@@ -1008,14 +1013,24 @@ class Runtime:
             self._changing_calls = 0
         return True
 
+    def _drop_writes(self) -> None:
+        """A call left a written attribute as it was (written in training only): the
+        attributes are part of the signature again, and calls that keep changing them are
+        adopted again (`_adopt_writes`)."""
+        with self._lock:
+            self._writes = ()
+            self._state.exclude({})
+            self.stats.eager_steps += 1
+
     def _forward_and_writes(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The forward whose graphs are captured: the module's result, and then the tensor
-        attributes the call wrote (`_adopt_writes`), if any. A call that leaves one of them
-        as it was (written in training only, say) is not captured: its graphs would write the
-        value the attribute had at the trace back at every step."""
+        attributes the call wrote (`_adopt_writes`), if any. A traced call that leaves one as
+        it was is not captured (its first call, which did the same, drops them first:
+        `_first_call`): its graphs would write back the value the attribute had at the trace
+        at every step."""
         if not self._writes:
             return self.forward_fn(module, *args, **kwargs)
-        before = self._with_writes(None, module)[1]
+        before = self._written_values(module)
         result = self._with_writes(self.forward_fn(module, *args, **kwargs), module)
         kept = [f"{path}.{name}".lstrip(".") for (path, name), old, new
                 in zip(self._writes, before, result[1]) if new is old]
@@ -1025,10 +1040,11 @@ class Runtime:
         return result
 
     def _with_writes(self, result: Any, module: torch.nn.Module) -> Any:
-        if not self._writes:
-            return result
-        return result, tuple(getattr(module.get_submodule(path), name)
-                             for path, name in self._writes)
+        return (result, self._written_values(module)) if self._writes else result
+
+    def _written_values(self, module: torch.nn.Module) -> tuple:
+        """The tensor attributes the module's calls write, as they are now."""
+        return tuple(getattr(module.get_submodule(path), name) for path, name in self._writes)
 
     def _written(self, rebuilt: Any) -> Any:
         """The module's result from a rebuilt `_forward_and_writes` result, with the tensor
