@@ -38,6 +38,7 @@ from lazygrad.capture import (
     aliasing,
     capture,
     export,
+    refuse_reads,
     unchanged,
 )
 from lazygrad.eager import eager_mode, in_eager_mode
@@ -767,6 +768,11 @@ class Runtime:
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
             )
+        written = dict(zip((f"{path}.{name}".lstrip(".") for path, name in self._writes),
+                           self._written_values(module)))
+        for gm in (captured.tidy.forward, captured.tidy.backward):
+            if gm is not None and written:
+                refuse_reads(gm, written)
         if captured.sized and captured.numbers != entry.template.number_count:
             raise CaptureError(
                 f"the trace's result holds {captured.numbers} numbers, eager's "
@@ -1032,6 +1038,11 @@ class Runtime:
             return self.forward_fn(module, *args, **kwargs)
         before = self._written_values(module)
         result = self._with_writes(self.forward_fn(module, *args, **kwargs), module)
+        for (path, name), old in zip(self._writes, before):
+            # As they were: AOTAutograd runs the forward twice, and a second run that read
+            # the first one's trace tensor failed unexplained; it reads the real one, which
+            # `_trace` then refuses, named (`trace.refuse_reads`).
+            setattr(module.get_submodule(path), name, old)
         kept = [f"{path}.{name}".lstrip(".") for (path, name), old, new
                 in zip(self._writes, before, result[1]) if new is old]
         if kept:

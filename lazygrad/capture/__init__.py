@@ -42,7 +42,7 @@ from lazygrad.capture.aliases import Aliasing, aliasing
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
 from lazygrad.capture.tidy import Feed, OutputSlot, OutputView, Tidy, apply_views
-from lazygrad.capture.trace import Functional, unchanged
+from lazygrad.capture.trace import Functional, refuse_reads, unchanged
 
 __all__ = [
     "CaptureError",
@@ -58,6 +58,7 @@ __all__ = [
     "capture",
     "export",
     "Functional",
+    "refuse_reads",
     "symbols",
     "unchanged",
 ]
@@ -153,11 +154,9 @@ def capture(
     dynamic = [[False] * p.dim() for p in primals[:count]]
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
     training = mask is not None and any(mask)
-    attributes = trace.tensor_attributes(module)
     with escapes.watching() as made, python_random.refusing_draws(module), \
             forward_hooks.watching(module) as side_effects, trace.unchanged(module):
         traced = trace.trace(fn, primals, dynamic, training, module)
-        trace.refuse_reads_of_replaced(traced.joint, attributes, module)
     # Once the module holds its own tensors again:
     escapes.refuse_kept_tensors(made, traced.mode)
     forward_hooks.refuse_side_effects(side_effects)  # a hook that keeps a tensor is named above

@@ -334,35 +334,26 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
             )
 
 
-def tensor_attributes(module: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
-    """Every submodule's plain tensor attributes, by (id(submodule), name)."""
-    return {(id(m), name): value for m in module.modules() for name, value in vars(m).items()
-            if isinstance(value, torch.Tensor)}
-
-
-def refuse_reads_of_replaced(gm: fx.GraphModule, before: dict[tuple[int, str], torch.Tensor],
-                             module: torch.nn.Module) -> None:
-    """A tensor attribute the forward replaces (a state kept from call to call) must not have
-    been read before: the graph would hold the value it had at the trace as a constant, where
-    each eager call reads the last call's. Called before the trace's writes are undone."""
-    after = tensor_attributes(module)
-    replaced = {t.untyped_storage().data_ptr(): name for (key, name), t in before.items()
-                if after.get((key, name)) is not t and t.numel()}
-    if not replaced:
-        return
+def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
+    """Tensor attributes each call writes (by qualified name, as they were before the trace)
+    must not be read before they are written: the graph would hold the value at the trace as
+    a constant, where each eager call reads the last call's (a recurrent state kept on the
+    module). The failure is the attribute's module's, wherever it was read."""
+    names = {t.untyped_storage().data_ptr(): name for name, t in written.items()
+             if isinstance(t, torch.Tensor) and t.numel()}
     for node in gm.graph.nodes:
-        if node.op != "get_attr":
+        if node.op != "get_attr" or not names:
             continue
         value = operator.attrgetter(node.target)(gm)
         if not isinstance(value, torch.Tensor) or not value.numel() or isinstance(
                 value, private.FakeTensor):
             continue
-        name = replaced.get(value.untyped_storage().data_ptr())
+        name = names.get(value.untyped_storage().data_ptr())
         if name is not None:
             raise CaptureError(
                 f"the forward reads its tensor attribute {name!r} and then replaces it: a graph "
                 "would hold the value it had at the trace, where each call reads the last "
-                "call's", submodule_of(node))
+                "call's", name.rpartition(".")[0])
 
 
 def _untranslatable(gm: fx.GraphModule) -> list[tuple[str, str]]:
