@@ -527,3 +527,32 @@ def test_a_norm_set_by_a_pre_hook_runs_through_ort_and_leaves_eagers_weight(norm
             assert_close(got, want, f"step {step} {name}")
     stats = lazygrad.stats(lazy)
     assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons
+
+
+class WindowsOfATranspose(torch.nn.Module):
+    """Overlapping windows made with `as_strided` from the strides of a transposed tensor, as
+    Longformer chunks its attention: `as_strided` reads storage, which ONNX does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        t = self.linear(x).transpose(1, 2)  # (batch, 8, 12): strides (96, 1, 8)
+        batch, features, length = t.shape
+        windows = t.as_strided((batch, features, length // 2 - 1, 4),
+                               (t.stride(0), t.stride(1), 2 * t.stride(2), t.stride(2)))
+        return (windows * windows.flip(-1)).sum(-1)
+
+
+def test_as_strided_of_a_transposed_tensor_reads_its_storage_through_ort():
+    """The exporter's translation read the transposed tensor's values in logical order: other
+    elements (the check refused the graph, and Longformer's attention ran eagerly)."""
+    torch.manual_seed(0)
+    eager = WindowsOfATranspose()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step in range(3):
+        out = sum_step_like_eager(lazy, eager, (torch.randn(2, 12, 8),), f"step {step}")
+    assert ran_through_ort([out])
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons

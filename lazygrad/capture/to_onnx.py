@@ -29,6 +29,7 @@ _lock = threading.Lock()
 
 def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     _numbers_as_tensors(gm)
+    _strided_views_in_storage_order(gm)
     gm, constants = _lift_constants(gm)
     inputs = placeholders(gm)
     outputs = list(output_node(gm).args[0])
@@ -140,6 +141,61 @@ def _numbers_as_tensors(gm: fx.GraphModule) -> None:
         node.args = tuple(args)
     if count:
         gm.recompile()
+
+
+def _strided_views_in_storage_order(gm: fx.GraphModule) -> None:
+    """`as_strided` reads its input's storage, the exporter's translation its values in
+    logical order from its first (torchlib: "non-contiguous views remain unsupported"): over
+    a transposed tensor it read other elements (Longformer's chunked attention: the check
+    refused the graph, and the attention ran eagerly). Where the input is a dense permutation
+    of its storage and the view reads within it, the input is first laid out in storage order
+    (a permute and a contiguous copy: the same in torch, a Transpose in ONNX) and the offset
+    made relative to it, in place. Other inputs are left as they are (the check refuses what
+    they compute otherwise)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.as_strided.default:
+            continue
+        source, size, stride = node.args[:3]
+        value = source.meta.get("val") if isinstance(source, fx.Node) else None
+        offset = node.args[3] if len(node.args) > 3 else None
+        if not isinstance(value, torch.Tensor) or not _static(
+                *value.shape, *value.stride(), value.storage_offset(), *size, *stride,
+                *([] if offset is None else [offset])):
+            continue
+        start = value.storage_offset()
+        offset = start if offset is None else offset
+        if value.is_contiguous() and start == 0:
+            continue
+        order = sorted(range(value.dim()), key=lambda dim: -value.stride()[dim])
+        end = offset + sum((length - 1) * step for length, step in zip(size, stride))
+        if not _dense(value, order) or offset < start or end >= start + value.numel():
+            continue
+        with gm.graph.inserting_before(node):
+            permuted = gm.graph.call_function(torch.ops.aten.permute.default, (source, order))
+            laid_out = gm.graph.call_function(torch.ops.aten.clone.default, (permuted,),
+                                              {"memory_format": torch.contiguous_format})
+        permuted.meta["val"] = value.permute(order)
+        laid_out.meta["val"] = permuted.meta["val"].contiguous()
+        node.args = (laid_out, size, stride, offset - start)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _static(*values: object) -> bool:
+    return all(isinstance(value, int) for value in values)
+
+
+def _dense(value: torch.Tensor, order: list[int]) -> bool:
+    """Whether `value`'s strides, in `order`, are a contiguous tensor's: its elements are a
+    block of its storage, each once."""
+    expected = 1
+    for dim in reversed(order):
+        if value.shape[dim] != 1 and value.stride()[dim] != expected:
+            return False
+        expected *= value.shape[dim]
+    return True
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
