@@ -506,3 +506,34 @@ def test_a_state_read_from_the_last_call_is_never_baked_into_a_graph():
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and "'state' and then replaces it" in stats.reasons[0]
     assert stats.parts["cell"].hits >= 1
+
+
+class RenormsItsWeight(torch.nn.Module):
+    """A max-norm constraint applied in the forward by replacing a parameter's `.data`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.hidden.weight.data = torch.renorm(self.hidden.weight.data, 2, 0, 0.5)
+        return self.head(torch.relu(self.hidden(x)))
+
+
+@pytest.mark.falls_back  # in parts
+def test_a_parameters_data_replaced_in_the_forward_is_never_dropped_by_a_graph():
+    """AOTAutograd's trace drops a `.data` assignment: the graph computed with the weight as
+    it was, and ORT steps never renormed it (outputs 0.8 off, silently)."""
+    torch.manual_seed(0)
+    eager = RenormsItsWeight()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (lazy, eager)]
+    for step in range(4):
+        _step(lazy, eager, (torch.randn(4, 8),), lambda o: o.square().sum(), f"step {step}",
+              optimizers)
+        _assert_params_equal(lazy, eager, f"after step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and "replaces the `.data` of hidden.weight" in stats.reasons[0]
+    assert stats.parts["head"].hits >= 1

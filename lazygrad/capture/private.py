@@ -337,7 +337,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = ["compiling", "in_checkpoint_region", "plain_lstm", "checkpoints_recomputed",
            "float64_numbers", "composite_kernels", "in_backward", "queue_at_backward_end",
-           "release_saved_tensors", "set_versions", "replay_view", *_LAZY]
+           "release_saved_tensors", "storage_id", "set_versions", "replay_view", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -369,6 +369,12 @@ def release_saved_tensors(ctx: object) -> None:
             saved.register_hooks(_dropped, _dropped)
         except RuntimeError:  # packed by the user's hooks already
             return
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """The identity of the storage behind `tensor` (a `.data` assignment replaces it; an
+    in-place op does not)."""
+    return tensor.untyped_storage()._cdata
 
 
 def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:

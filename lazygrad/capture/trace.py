@@ -528,8 +528,17 @@ class Functional:
         state = dict(zip(self.names, primals[:count]))
         args, kwargs = self.rebuild(list(primals[count:]))
         given = _contents(args, kwargs)
+        storages = list(map(private.storage_id, primals))
         with eager_mode(), checks.kept() as made:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
+        replaced = [i for i, (primal, storage) in enumerate(zip(primals, storages))
+                    if private.storage_id(primal) != storage]
+        if replaced:
+            names = [self.names[i].removeprefix("inner.") if i < count else f"input {i - count}"
+                     for i in replaced]
+            raise CaptureError(
+                f"the forward replaces the `.data` of {', '.join(names)} (a constraint applied "
+                "in the forward): the trace drops it, and ORT steps would leave it as it was")
         if _contents(args, kwargs) != given:
             raise CaptureError(
                 "the forward changes a list or dict it was given (an auxiliary loss appended to "
