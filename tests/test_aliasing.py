@@ -204,3 +204,36 @@ def test_dropout_without_a_draw_hands_its_input_through_as_in_eager(training):
     assert all(kernel is decompositions.dropout
                for kernel in torch.ops.aten.dropout.default.py_kernels.values()
                if getattr(kernel, "__name__", "") == "dropout")
+
+
+class JacobianPerSample(torch.nn.Module):
+    """A per-sample Jacobian made with `torch.func` in the forward: vmap's rules trace a
+    `prims.squeeze` among the views that make the output from its root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        energy = lambda v: torch.tanh(self.linear(v)).sum()  # noqa: E731
+        return torch.func.vmap(torch.func.jacrev(energy))(x)
+
+
+def test_an_output_made_by_a_prims_view_is_made_by_its_aten_twin():
+    """The prims view, replayed in torch, has no autograd formula: the second step's backward
+    failed ("backwards not supported on prim")."""
+    torch.manual_seed(0)
+    eager = JacobianPerSample()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step in range(3):
+        x = torch.randn(5, 4)
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        out, expected = lazy(x), eager(x)
+        assert_close(out.detach(), expected.detach(), f"step {step} output")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort([out])
+    stats = lazygrad.stats(lazy)
+    assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons

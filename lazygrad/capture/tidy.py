@@ -368,14 +368,26 @@ def _as_view_step(node: Any) -> tuple[tuple[str, list[Any]], Any] | None:
         return None
     if node.target is operator.getitem:
         return _piece_of(node)
-    # Applied in torch, not in ONNX: any view op of one tensor whose other arguments are
-    # plain values or sizes.
-    if not getattr(node.target, "is_view", False):
+    # Applied in torch, not in ONNX: any ATen view op of one tensor whose other arguments are
+    # plain values or sizes. A prims view (`prims.squeeze`, from vmap's rules) has no
+    # autograd formula: replayed in torch, the output's backward failed ("backwards not
+    # supported on prim"); its ATen twin is applied instead.
+    target = _ATEN_TWINS.get(node.target, node.target)
+    if not getattr(target, "is_view", False) or target.namespace != "aten":
         return None
     sizes = [a for a in pytree.tree_leaves((node.args[1:], node.kwargs)) if isinstance(a, fx.Node)]
     if node.kwargs or not all(symbols.is_symbolic(a.meta.get("val")) for a in sizes):
         return None
-    return _view_step(node), node.args[0]
+    _, args = _view_step(node)
+    return (target.name(), args), node.args[0]
+
+
+# prims view ops and the ATen view that takes the same arguments
+_ATEN_TWINS = {
+    torch.ops.prims.squeeze.default: aten.squeeze.dims,
+    torch.ops.prims.transpose.default: aten.permute.default,
+    torch.ops.prims.view_of.default: aten.alias.default,
+}
 
 
 def _piece_of(node: fx.Node) -> tuple[tuple[str, list[Any]], Any] | None:
