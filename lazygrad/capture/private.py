@@ -371,10 +371,13 @@ def release_saved_tensors(ctx: object) -> None:
             return
 
 
-def storage_id(tensor: torch.Tensor) -> int:
+def storage_id(tensor: torch.Tensor) -> int | None:
     """The identity of the storage behind `tensor` (a `.data` assignment replaces it; an
-    in-place op does not)."""
-    return tensor.untyped_storage()._cdata
+    in-place op does not); None for a tensor without one (a subclass that wraps others)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
