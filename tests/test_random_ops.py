@@ -47,8 +47,15 @@ def _of_transposed(h):
             + torch.bernoulli(torch.sigmoid(t))).t()
 
 
+def _random_integers(h):
+    """`random_(low, high)` and `random_(high)` (the first's overload, named `from`, made the
+    trace's Python code invalid: the model ran in parts)."""
+    return h * torch.empty_like(h).random_(1, 4) + torch.empty_like(h).random_(3)
+
+
 RANDOM = {
     "bernoulli": _bernoulli,
+    "random_integers": _random_integers,
     "of_transposed": _of_transposed,
     "rand_randn": _rand,
     "multinomial": _multinomial,

@@ -14,7 +14,8 @@ into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime f
 into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; and attention's `_safe_softmax` into one that finds its masked rows in
-one reduction (`safe_softmax`: a translation ORT runs in six passes). Like torch._decomp's
+one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
+into the `randint` eager draws alike (`random_integers`). Like torch._decomp's
 tables these compute the op itself, not a gradient of anything, and every graph built with
 them is checked against its FX graph (verify.py) before it serves a step. Replication padding
 and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
@@ -353,6 +354,23 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return aten.topk.default(self, k, dim, largest, True)
 
 
+def random_integers(self: torch.Tensor, low: int, high: int | None = None, *,
+                    generator: object = None) -> object:
+    """`empty_like(x).random_(low, high)` (`random.from`, `random.to`) as `randint(low, high)`,
+    which eager draws with the same kernel call (`empty(size).random_(low, high)`), so it is
+    drawn outside the graph as eager draws it (`draws.py`). Traced as it is, its overload,
+    named `from`, made the trace's Python code invalid, and the model ran in parts. A tensor
+    of another layout (filled in its memory order) or a full-range draw are left as they are."""
+    if high is None or generator is not None or not self.is_contiguous():
+        return NotImplemented
+    return aten.randint.low(low, high, self.shape, dtype=self.dtype, device=self.device)
+
+
+def random_integers_below(self: torch.Tensor, high: int, *, generator: object = None) -> object:
+    """`random_(high)`: `random_integers` from 0."""
+    return random_integers(self, 0, high, generator=generator)
+
+
 def _integral(tensor: torch.Tensor) -> bool:
     return not tensor.is_floating_point() and tensor.dtype != torch.bool
 
@@ -486,4 +504,6 @@ TABLE = {
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
     aten._safe_softmax.default: safe_softmax,
+    getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
+    aten.random.to: random_integers_below,
 }
