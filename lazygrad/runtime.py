@@ -169,7 +169,7 @@ class Runtime:
         self._generation = 0  # `clear` drops what builds started before it bring
         self._ids = itertools.count()
         self._changing_calls = 0  # first calls in a row that changed the module's attributes
-        self._changing = False  # its calls change its attributes: it runs in parts from then on
+        self._changing = False  # its calls keep changing its attributes: it runs in parts
         # (submodule path, name) of the tensor attributes each call writes (`_adopt_writes`)
         self._writes: tuple[tuple[str, str], ...] = ()
         # per signature with its numbers left out: the numbers' values met (`_numbers_churn`)
