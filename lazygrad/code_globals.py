@@ -3,9 +3,12 @@
 A trace runs the forward's Python once, so a module-level flag or number that the code reads
 (`USE_AUX = step > 1000` set by the training script, `helpers.TEMPERATURE`) is a constant of the
 graph, and reassigned at run time it served the old graph, silently wrong (torch.compile guards
-on such globals). So the plain values (bool, int, float, str, None, dtype, tuples of them) and
-the tensors (by identity and version counter: class weights changed in place) that the user's
-code names are read at every call: the names in the code of every module class in the
+on such globals). So the plain values (bool, int, float, str, None, dtype, tuples of them), the
+tensors (by identity and version counter: class weights changed in place), the lists, tuples
+and dicts of these (`CONFIG["scale"]`) and the plain attributes of settings objects (`args.scale`
+of an argparse namespace, a config instance) that the user's code names are read at every call
+(their contents frozen by `module_state`, as a module's own: changed in place after a build,
+they served the old graph, silently wrong): the names in the code of every module class in the
 tree (its methods and their nested functions), of the functions that code names, and the
 attributes it names of the user's modules it names (`helpers.TEMPERATURE`). So are the class
 attributes of the user's module classes (`Model.scale = 2.0` set by the script after a build
@@ -24,7 +27,7 @@ import site
 import sys
 import sysconfig
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -56,13 +59,15 @@ class GlobalsRead:
         return [(label, value) for label, value in zip(self.labels, self.values())
                 if _watched(value)]
 
-    def modes(self, values: list[object]) -> tuple:
-        """(label, value) of the watched values that are plain; a tensor by identity and
-        version counter (a trace bakes its values in)."""
-        return tuple(
+    def modes(self, values: list[object], freeze: Callable[[object], object]) -> tuple:
+        """(label, value) of the watched values: a plain one as itself; a tensor by identity
+        and version counter (a trace bakes its values in); a container or a settings object
+        as `freeze` makes it (`module_state`), left out where that is None."""
+        modes = (
             (label, ("tensor", id(value), version_of(value)) if isinstance(value, torch.Tensor)
-             else value)
+             else value if is_plain(value) else freeze(value))
             for label, value in zip(self.labels, values) if _watched(value))
+        return tuple((label, mode) for label, mode in modes if mode is not None)
 
 
 @functools.cache
@@ -94,7 +99,17 @@ def version_of(tensor: torch.Tensor) -> int:
 
 
 def _watched(value: object) -> bool:
-    return is_plain(value) or isinstance(value, torch.Tensor)
+    return is_plain(value) or isinstance(value, torch.Tensor) or is_settings(value)
+
+
+def is_settings(value: object) -> bool:
+    """A list, tuple or dict, or an instance of a plain class holding settings (a config, an
+    argparse namespace): attributes of its own, and not a module, a tensor, a type, a
+    callable or a Python module."""
+    if type(value) in (list, tuple, dict):
+        return True
+    return (bool(getattr(value, "__dict__", None)) and not callable(value)
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)))
 
 
 def is_plain(value: object) -> bool:

@@ -47,7 +47,7 @@ from torch.nn.parameter import is_lazy
 
 from lazygrad import global_hooks
 from lazygrad.attach import LazyForward
-from lazygrad.code_globals import GlobalsRead, is_plain, version_of
+from lazygrad.code_globals import GlobalsRead, is_plain, is_settings, version_of
 
 _changes = itertools.count()
 _structure_version = next(_changes)
@@ -219,13 +219,16 @@ def plain_attributes(module: torch.nn.Module) -> tuple:
 def _read(dicts: list[dict], previous: _Attributes | None, globals_read: GlobalsRead,
           global_values: list[object], state_ids: frozenset[int]) -> _Attributes:
     containers = _Containers(state_ids)
-    modes = (*(_modes_of(d, containers) for d in dicts), globals_read.modes(global_values),
+    modes = (*(_modes_of(d, containers) for d in dicts),
+             globals_read.modes(global_values, lambda value: _global_mode(value, containers)),
              global_hooks.registered())
     if previous is not None and modes == previous.modes:
         modes = previous.modes  # the same object while equal: the signature's fast path
     hooks = [hook for d in dicts for name in _HOOKS
              if isinstance(hook := d.get(name), dict)] + list(global_hooks.ALL)
     objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
+    objects.update((id(v), vars(v)) for v in global_values
+                   if is_settings(v) and _is_plain_object(v))
     extras = [hook for hook in hooks if hook] + list(objects.values()) + containers.dicts
     watched = dicts + extras
     tensors = [v for d in dicts for v in d.values() if isinstance(v, torch.Tensor)]
@@ -253,6 +256,25 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+def _global_mode(value: object, containers: _Containers) -> object:
+    """A global container (frozen item by item, its changes watched at every call) or
+    settings object (its plain attributes, as a module's plain object's), for the modes; None
+    if it holds anything else."""
+    if _is_plain_object(value):
+        return ("object", _settings_of(value, containers))
+    frozen = containers.frozen(value)
+    return None if frozen is _UNWATCHED else frozen
+
+
+def _settings_of(value: object, containers: _Containers) -> tuple:
+    """A plain object's plain attributes (and its lists and dicts of them, as they are when
+    the object's `__dict__` changes: its contents are not compared at every call)."""
+    settings = _Containers(containers.state_ids)
+    return tuple((key, frozen) for key, item in vars(value).items()
+                 if (frozen := settings.frozen(item)) is not _UNWATCHED
+                 and not isinstance(item, torch.Tensor))
+
+
 def _modes_of(attributes: dict, containers: _Containers) -> tuple:
     """A submodule's part of the signature: its plain attributes; the ids of its hooks, per
     hook dict; its plain tensor attributes (by identity and version: a trace bakes their values
@@ -276,11 +298,7 @@ def _modes_of(attributes: dict, containers: _Containers) -> tuple:
         modes.append(("forward", id(forward)))
     for name, value in attributes.items():
         if _is_plain_object(value):
-            settings = _Containers(containers.state_ids)
-            modes.append((name, tuple(
-                (key, frozen) for key, item in vars(value).items()
-                if (frozen := settings.frozen(item)) is not _UNWATCHED
-                and not isinstance(item, torch.Tensor))))
+            modes.append((name, _settings_of(value, containers)))
     return tuple(modes)
 
 

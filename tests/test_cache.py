@@ -516,6 +516,50 @@ def test_a_number_argument_new_at_every_call_runs_in_parts_or_eagerly_said_once(
         assert stats.parts["linear"].builds == 1 and stats.parts["linear"].hits >= 2
 
 
+CONFIG = {"scale": 2.0, "shift": [0.5, 0.25]}  # a script's settings, read by the forward
+
+
+class Options:
+    def __init__(self) -> None:
+        self.temperature = 1.0
+
+
+OPTIONS = Options()  # as an argparse namespace a script's model reads
+
+
+class ReadsGlobalSettings(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x) * CONFIG["scale"] + CONFIG["shift"][1]
+        return torch.tanh(h / OPTIONS.temperature)
+
+
+@pytest.mark.parametrize("change", ["dict item", "list item in a dict", "object attribute"])
+def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monkeypatch):
+    """A settings dict or object the forward reads, changed in place by the script after a
+    build (the same object: its identity was all that was watched), served the old graph:
+    1.9 off in an output, silently. Their contents are part of the signature now."""
+    monkeypatch.setitem(globals(), "CONFIG", {"scale": 2.0, "shift": [0.5, 0.25]})
+    monkeypatch.setitem(globals(), "OPTIONS", Options())
+    torch.manual_seed(0)
+    eager = ReadsGlobalSettings()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    for step in range(5):
+        if step == 3:
+            if change == "dict item":
+                CONFIG["scale"] = 3.0
+            elif change == "list item in a dict":
+                CONFIG["shift"][1] = -1.0
+            else:
+                OPTIONS.temperature = 0.5
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
+
+
 gate = torch.ones(4)  # a script's (a notebook's) global, named as the model's attribute
 
 
