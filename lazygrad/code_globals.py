@@ -134,15 +134,23 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
         yield from ((namespace, name, f"{label}.{name}")
                     for name in namespace if not name.startswith("__"))
     functions = [function for klass in classes for function in _methods(klass)]
-    seen: set[types.CodeType] = set()
+    functions += [function for m in module.modules() for function in functions_held(m)]
+    seen: set[int] = set()
     while functions:
         function = functions.pop()
-        if function.__code__ in seen or is_library(function.__code__.co_filename):
+        if id(function) in seen or is_library(function.__code__.co_filename):
             continue
+        seen.add(id(function))
+        if function.__closure__:
+            cells = _Cells(function)
+            label = f"{function.__module__}.{function.__qualname__}"
+            for name in function.__code__.co_freevars:
+                yield cells, name, f"{label}.<{name}>"
+                if isinstance(cells.get(name), types.FunctionType):
+                    functions.append(cells.get(name))
         namespace = function.__globals__
         names, global_names = set(), set()
         for code in _codes(function.__code__):
-            seen.add(code)
             names.update(code.co_names)
             global_names.update(_globals_loaded(code))
         for name in global_names:
@@ -155,6 +163,34 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
                 attributes = vars(value)
                 yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
                             for attribute in names if attribute in attributes)
+
+
+class _Cells:
+    """A function's closure read as a namespace: a free variable's name -> its cell's contents
+    now (a hook's `cfg` dict, changed by the script after a build, served the old graph)."""
+
+    def __init__(self, function: types.FunctionType) -> None:
+        self._cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+
+    def get(self, name: str, default: object = None) -> object:
+        cell = self._cells.get(name)
+        try:
+            return default if cell is None else cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            return default
+
+
+def functions_held(module: torch.nn.Module) -> Iterator[types.FunctionType]:
+    """The functions a module holds, which its calls run: its forward hooks and pre-hooks (a
+    hook scaling an output by a setting it closes over), and functions kept as attributes (an
+    instance `forward`, an activation kept as a lambda)."""
+    held = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
+            *vars(module).values()]
+    for value in held:
+        value = getattr(value, "__func__", value)  # a bound method
+        value = getattr(value, "func", value) if isinstance(value, functools.partial) else value
+        if isinstance(value, types.FunctionType):
+            yield value
 
 
 def _user_bases(klass: type) -> Iterator[type]:

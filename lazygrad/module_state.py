@@ -47,7 +47,13 @@ from torch.nn.parameter import is_lazy
 
 from lazygrad import global_hooks
 from lazygrad.attach import LazyForward
-from lazygrad.code_globals import GlobalsRead, is_plain, is_settings, version_of
+from lazygrad.code_globals import (
+    GlobalsRead,
+    functions_held,
+    is_plain,
+    is_settings,
+    version_of,
+)
 
 _changes = itertools.count()
 _structure_version = next(_changes)
@@ -102,6 +108,7 @@ class ModuleState:
         self._state: dict[str, torch.Tensor] = {}
         self._attributes: _Attributes | None = None
         self._globals: GlobalsRead | None = None
+        self._held: list[int] = []  # ids of the functions the modules held when it was made
         # id(submodule) -> the tensor attributes each call writes (`exclude`)
         self._written: dict[int, frozenset[str]] = {}
 
@@ -122,9 +129,16 @@ class ModuleState:
                 or not _unchanged(attributes, dicts + attributes.extras)
                 or list(map(len, attributes.lists)) != attributes.list_lengths
                 or not all(map(operator.is_, _chain(attributes.lists), attributes.list_items))):
+            held = self._functions_held()
+            if held != self._held:  # a hook or function added since: the values it reads
+                self._globals, self._held = GlobalsRead(self.module), held
+                global_values = self._globals.values()
             attributes = self._attributes = _read(dicts, attributes, self._globals,
                                                   global_values, self._state_ids)
         return self._state, attributes.modes
+
+    def _functions_held(self) -> list[int]:
+        return [id(f) for m in self._modules for f in functions_held(m)]
 
     def written_between(self, before: tuple, after: tuple) -> dict[int, frozenset[str]] | None:
         """What a call that turned the modes `before` into `after` changed, if it changed
@@ -166,7 +180,7 @@ class ModuleState:
     def _walk(self) -> None:
         self._version = _structure_version
         self._modules = list(self.module.modules())
-        self._globals = GlobalsRead(self.module)
+        self._globals, self._held = GlobalsRead(self.module), self._functions_held()
         self._attributes = None  # the watched globals may be others
         state: dict[str, torch.Tensor] = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -558,6 +559,31 @@ def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monke
         sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
+
+
+def _scaled_by(settings: dict) -> Callable:
+    return lambda module, inputs, output: output * settings["scale"]
+
+
+@pytest.mark.parametrize("when", ["before the first call", "after a build"])
+def test_a_setting_a_forward_hook_closes_over_changed_in_place_is_seen(when):
+    """A hook scaling an output by a setting it closes over, changed by the script after a
+    build, served the old graph: 0.2 off in an output, silently. Its closure's values are part
+    of the signature, for hooks registered at any time."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    settings = {"scale": 2.0}
+    for step in range(6):
+        if step == (0 if when == "before the first call" else 2):
+            for model in (eager, lazy):
+                model[0].register_forward_hook(_scaled_by(settings))
+        if step == 4:
+            settings["scale"] = 5.0
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits >= 1, stats.reasons
+    assert stats.builds == (2 if when == "before the first call" else 3)
 
 
 gate = torch.ones(4)  # a script's (a notebook's) global, named as the model's attribute
