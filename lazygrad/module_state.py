@@ -271,13 +271,17 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 def _global_mode(value: object, containers: _Containers) -> object:
-    """A global container (frozen item by item, its changes watched at every call) or
-    settings object (its plain attributes, as a module's plain object's), for the modes; None
-    if it holds anything else."""
+    """A global or closed-over container of plain values (frozen item by item, its changes
+    watched at every call) or settings object (its plain attributes, as a module's plain
+    object's), for the modes; None for a container that holds anything else, tensors
+    included, or nothing yet: a store the code fills (a hook's `store[name] = output`, which
+    `capture/escapes.py` refuses), not settings it reads."""
     if _is_plain_object(value):
         return ("object", _settings_of(value, containers))
-    frozen = containers.frozen(value)
-    return None if frozen is _UNWATCHED else frozen
+    probe = _Containers(containers.state_ids)
+    if probe.frozen(value) is _UNWATCHED or probe.tensors or not value:
+        return None
+    return containers.frozen(value)
 
 
 def _settings_of(value: object, containers: _Containers) -> tuple:
