@@ -163,6 +163,14 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
                 attributes = vars(value)
                 yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
                             for attribute in names if attribute in attributes)
+            elif isinstance(value, type) and not issubclass(value, torch.nn.Module) \
+                    and next(_user_bases(value), None) is value:
+                # A settings class (a notebook's `class CFG: temperature = 0.07`): its class
+                # attributes, as a module class's (`CFG.scale` set after a build served the
+                # old graph, 0.96 off in an output, silently).
+                attributes = value.__dict__
+                yield from ((attributes, attribute, f"{value.__module__}.{value.__qualname__}"
+                             f".{attribute}") for attribute in names if attribute in attributes)
 
 
 class _Cells:

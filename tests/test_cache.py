@@ -528,23 +528,30 @@ class Options:
 OPTIONS = Options()  # as an argparse namespace a script's model reads
 
 
+class CFG:  # a notebook's settings class, read by its class attributes
+    bias = 0.0
+
+
 class ReadsGlobalSettings(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        h = self.linear(x) * CONFIG["scale"] + CONFIG["shift"][1]
+        h = self.linear(x) * CONFIG["scale"] + CONFIG["shift"][1] + CFG.bias
         return torch.tanh(h / OPTIONS.temperature)
 
 
-@pytest.mark.parametrize("change", ["dict item", "list item in a dict", "object attribute"])
+@pytest.mark.parametrize("change", ["dict item", "list item in a dict", "object attribute",
+                                    "class attribute"])
 def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monkeypatch):
-    """A settings dict or object the forward reads, changed in place by the script after a
-    build (the same object: its identity was all that was watched), served the old graph:
-    1.9 off in an output, silently. Their contents are part of the signature now."""
+    """A settings dict, object or class the forward reads, changed in place by the script
+    after a build (the same object: its identity was all that was watched, or a class not at
+    all), served the old graph: 1.9 and 0.96 off in outputs, silently. Their contents are part
+    of the signature now."""
     monkeypatch.setitem(globals(), "CONFIG", {"scale": 2.0, "shift": [0.5, 0.25]})
     monkeypatch.setitem(globals(), "OPTIONS", Options())
+    monkeypatch.setattr(CFG, "bias", 0.0)
     torch.manual_seed(0)
     eager = ReadsGlobalSettings()
     lazy = lazy_copy(eager, wait_for_builds=True)
@@ -554,8 +561,10 @@ def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monke
                 CONFIG["scale"] = 3.0
             elif change == "list item in a dict":
                 CONFIG["shift"][1] = -1.0
-            else:
+            elif change == "object attribute":
                 OPTIONS.temperature = 0.5
+            else:
+                CFG.bias = 1.0
         sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
