@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import operator
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -321,17 +321,12 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
     again (`unchanged`: with tied weights the swap may leave trace tensors in it until then)."""
     state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
              if t.numel()}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = operator.attrgetter(node.target)(gm)
-        if isinstance(value, torch.Tensor) and value.numel() and not isinstance(
-                value, private.FakeTensor) and value.untyped_storage().data_ptr() in state:
-            raise CaptureError(
-                "the forward reads a parameter or buffer through a module object held outside "
-                "the module's tree (a closure or a global naming it), which a trace would bake "
-                "in as a constant without its gradient"
-            )
+    if next(_constants_of(gm, state), None) is not None:
+        raise CaptureError(
+            "the forward reads a parameter or buffer through a module object held outside "
+            "the module's tree (a closure or a global naming it), which a trace would bake "
+            "in as a constant without its gradient"
+        )
 
 
 def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
@@ -341,19 +336,24 @@ def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
     module). The failure is the attribute's module's, wherever it was read."""
     names = {t.untyped_storage().data_ptr(): name for name, t in written.items()
              if isinstance(t, torch.Tensor) and t.numel()}
+    for storage in _constants_of(gm, names):
+        name = names[storage]
+        raise CaptureError(
+            f"the forward reads its tensor attribute {name!r} and then replaces it: a graph "
+            "would hold the value it had at the trace, where each call reads the last "
+            "call's", name.rpartition(".")[0])
+
+
+def _constants_of(gm: fx.GraphModule, storages: Container[int]) -> Iterator[int]:
+    """The storages (data pointers) among `storages` of the real tensors `gm` holds as
+    constants: values a trace read from outside its inputs and baked in."""
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or not names:
+        if node.op != "get_attr":
             continue
         value = operator.attrgetter(node.target)(gm)
-        if not isinstance(value, torch.Tensor) or not value.numel() or isinstance(
-                value, private.FakeTensor):
-            continue
-        name = names.get(value.untyped_storage().data_ptr())
-        if name is not None:
-            raise CaptureError(
-                f"the forward reads its tensor attribute {name!r} and then replaces it: a graph "
-                "would hold the value it had at the trace, where each call reads the last "
-                "call's", name.rpartition(".")[0])
+        if isinstance(value, torch.Tensor) and value.numel() and not isinstance(
+                value, private.FakeTensor) and value.untyped_storage().data_ptr() in storages:
+            yield value.untyped_storage().data_ptr()
 
 
 def _untranslatable(gm: fx.GraphModule) -> list[tuple[str, str]]:
