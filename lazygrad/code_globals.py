@@ -146,8 +146,8 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
             label = f"{function.__module__}.{function.__qualname__}"
             for name in function.__code__.co_freevars:
                 yield cells, name, f"{label}.<{name}>"
-                if isinstance(cells.get(name), types.FunctionType):
-                    functions.append(cells.get(name))
+                if isinstance(held := cells.get(name), types.FunctionType):
+                    functions.append(held)
         namespace = function.__globals__
         names, global_names = set(), set()
         for code in _codes(function.__code__):
