@@ -23,6 +23,11 @@ from torch.utils.dlpack import to_dlpack
 
 from lazygrad import clock
 
+# The model's metadata key listing, comma-separated, the outputs that are complex tensors in
+# ONNX's real representation (a trailing dimension of 2: real, imaginary), as the exporter
+# writes them (`capture/to_onnx.py`); torch views them as complex again without a copy.
+COMPLEX_OUTPUTS = "lazygrad.complex_outputs"
+
 # Measured: these fusions drop tensors that are requested graph outputs (the stash needs them):
 # SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
 DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]
@@ -59,6 +64,11 @@ class GraphSession:
         self.in_node_order = in_node_order
         self.input_names = [value.name for value in model.graph.input]
         self.output_names = [value.name for value in model.graph.output]
+        complex_names = {
+            name for entry in model.metadata_props if entry.key == COMPLEX_OUTPUTS
+            for name in entry.value.split(",")
+        }
+        self.complex_at = [i for i, name in enumerate(self.output_names) if name in complex_names]
         self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
         self.call_at = [i for i, name in enumerate(self.input_names) if name not in persistent]
         self._model_bytes = model.SerializeToString()
@@ -172,6 +182,7 @@ class _Binding:
         self._state_at = owner.state_at
         self._call_at = owner.call_at
         self._outputs = owner.output_names
+        self._complex_at = owner.complex_at
         self._output_device = owner.output_device
         self._placeholder = owner.placeholder
         self._cuda = owner.device.type == "cuda"
@@ -200,7 +211,10 @@ class _Binding:
                 io.synchronize_outputs()
             clock.add_ort(time.perf_counter() - started)
             # Adopted by torch before the release: `get_outputs` is a view of the binding's own.
-            return _to_tensors(io.get_outputs())
+            outputs = _to_tensors(io.get_outputs())
+            for position in self._complex_at:
+                outputs[position] = torch.view_as_complex(outputs[position])
+            return outputs
         finally:
             self._release()
 
@@ -301,7 +315,10 @@ _BOOL_AS_UINT8 = _bool_as_uint8()
 
 
 def _to_ortvalue(tensor: torch.Tensor) -> ort_c.OrtValue:
-    tensor = tensor.detach().contiguous()
+    tensor = tensor.detach()
+    if tensor.is_complex():  # ONNX's real representation, as the exporter declares the input
+        tensor = torch.view_as_real(tensor.resolve_conj())
+    tensor = tensor.contiguous()
     if not _BOOL_AS_UINT8:
         return ort_c.OrtValue.from_dlpack(to_dlpack(tensor))
     if tensor.dtype == torch.bool:

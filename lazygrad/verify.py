@@ -286,6 +286,9 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str) -> str | None:
             f"{what}: ORT gives {actual.dtype}{list(actual.shape)}, torch "
             f"{wanted.dtype}{list(wanted.shape)}"
         )
+    if wanted.is_complex():  # compared as their real and imaginary parts, rounding as theirs
+        actual, wanted = torch.view_as_real(actual.resolve_conj()), torch.view_as_real(
+            wanted.resolve_conj())
     if not wanted.is_floating_point():
         if not torch.equal(actual, wanted):
             raise VerificationError(f"{what}: ORT and torch differ")

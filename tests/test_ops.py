@@ -438,7 +438,29 @@ class NumberFirst(torch.nn.Module):
         return h * torch.add(0.3333, h > 0, alpha=0.6667).type_as(h) + torch.sub(1, h, alpha=2)
 
 
-@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst])
+class ComplexRotary(torch.nn.Module):
+    """Rotary embeddings as Meta's reference Llama writes them: pairs of features viewed as
+    complex numbers, turned by a complex buffer (`freqs_cis`), and the product of two complex
+    tensors, which the backward reads. ONNX holds complex tensors as real ones with a trailing
+    dimension of 2 (the exporter's representation): lazygrad's sessions refused the complex
+    buffer and stash, and the model ran in parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = torch.nn.Linear(16, 16)
+        self.key = torch.nn.Linear(16, 16)
+        angles = torch.outer(torch.arange(16.0), 1.0 / 100 ** (torch.arange(8.0) / 8))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):
+        rotated = []
+        for project in (self.query, self.key):
+            pairs = torch.view_as_complex(project(x).view(4, 16, 8, 2))
+            rotated.append(pairs * self.freqs_cis)
+        return torch.view_as_real(rotated[0] * rotated[1].conj()).flatten(1)
+
+
+@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst, ComplexRotary])
 def test_a_model_whose_trace_ort_or_the_exporter_took_otherwise_runs_through_ort(model):
     torch.manual_seed(0)
     eager = model()

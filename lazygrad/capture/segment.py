@@ -63,7 +63,10 @@ def split(
         outputs = sorted(made & later_reads)
         spans.append((sorted(read - constants), outputs))
         later_reads = (later_reads - made) | read
-    return [extractor.extract_model(inputs, outputs) for inputs, outputs in reversed(spans)]
+    segments = [extractor.extract_model(inputs, outputs) for inputs, outputs in reversed(spans)]
+    for segment in segments:  # what the session reads of its outputs (complex ones)
+        segment.metadata_props.extend(model.metadata_props)
+    return segments
 
 
 class _Sizes:

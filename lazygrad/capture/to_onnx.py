@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from lazygrad.capture import private
 from lazygrad.capture.partition import output_node, placeholders
 from lazygrad.capture.trace import in_float64, onnx_registry
+from lazygrad.session import COMPLEX_OUTPUTS
 
 # The exporter keeps state in module globals and warnings.catch_warnings swaps process-wide
 # state: one export at a time, whatever the thread.
@@ -99,7 +100,12 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         )
     # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
     # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
-    return onnx_program.model_proto
+    model = onnx_program.model_proto
+    complex_outputs = [value.name for value, node in zip(model.graph.output, outputs)
+                       if (dtype := _dtype(node)) is not None and dtype.is_complex]
+    if complex_outputs:
+        model.metadata_props.add(key=COMPLEX_OUTPUTS, value=",".join(complex_outputs))
+    return model
 
 
 def _numbers_as_tensors(gm: fx.GraphModule) -> None:
