@@ -103,21 +103,50 @@ def compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def plain_lstm() -> Iterator[None]:
-    """Inside, torch's LSTM decomposition takes its per-step path (matmuls and pointwise ops),
-    never the one through `mkldnn_rnn_layer`, which it picks on the CPU for an input that needs
-    no gradient: that op has no ONNX translation, nor has its backward, and an LSTM over raw
-    features fell back. The decomposition runs under the Python dispatcher, that is in traces;
-    eager calls run the C++ kernel, so the training thread's steps are not touched. One trace
-    at a time holds this (as `compiling`)."""
+def recurrent_layers_as_eager() -> Iterator[None]:
+    """Inside, torch's decompositions of LSTM, GRU and RNN compute what eager's kernels do:
+
+    - an LSTM takes the per-step path (matmuls and pointwise ops), never the one through
+      `mkldnn_rnn_layer`, which it picks on the CPU for an input that needs no gradient: that op
+      has no ONNX translation, nor has its backward, and an LSTM over raw features fell back;
+    - the dropout between stacked layers (`num_layers > 1, dropout > 0` in training) is applied.
+      torch's `_rnn_helper` never applies it (its test `num_layers < i - 1` never holds), so a
+      2-layer GRU or LSTM with dropout computed another function than eager's, silently. Here
+      the helper runs one layer at a time, and eager's `dropout` of each layer's time-major
+      output comes between them (the draws are then eager's, `draws.py`).
+
+    The decompositions run under the Python dispatcher, that is in traces; eager calls run the
+    C++ kernels, so the training thread's steps are not touched. One trace at a time holds this
+    (as `compiling`)."""
     decompositions = importlib.import_module("torch._decomp.decompositions")
     chosen = decompositions.select_one_layer_lstm_function
+    helper = decompositions._rnn_helper
+
+    def layer_by_layer(input, hidden, params, has_biases, num_layers, dropout, train,
+                       bidirectional, batch_first, layer_fn):
+        if not (train and dropout and num_layers > 1):
+            return helper(input, hidden, params, has_biases, num_layers, dropout, train,
+                          bidirectional, batch_first, layer_fn)
+        directions = 2 if bidirectional else 1
+        input = input.transpose(0, 1) if batch_first else input
+        finals: list = []
+        for layer in range(num_layers):
+            if layer:
+                input = torch.dropout(input, dropout, train=True)
+            span = slice(layer * directions, (layer + 1) * directions)
+            input, last = helper(input, hidden[span], params[span], has_biases, 1, 0.0, train,
+                                 bidirectional, False, layer_fn)
+            finals.extend(last)
+        return (input.transpose(0, 1) if batch_first else input), finals
+
     decompositions.select_one_layer_lstm_function = (
         lambda input, hx, params: decompositions.one_layer_lstm)
+    decompositions._rnn_helper = layer_by_layer
     try:
         yield
     finally:
         decompositions.select_one_layer_lstm_function = chosen
+        decompositions._rnn_helper = helper
 
 
 @contextlib.contextmanager
@@ -335,7 +364,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "in_checkpoint_region", "plain_lstm", "checkpoints_recomputed",
+__all__ = ["compiling", "in_checkpoint_region", "recurrent_layers_as_eager", "checkpoints_recomputed",
            "float64_numbers", "composite_kernels", "in_backward", "queue_at_backward_end",
            "release_saved_tensors", "storage_id", "set_versions", "replay_view", *_LAZY]
 
