@@ -364,8 +364,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "in_checkpoint_region", "recurrent_layers_as_eager", "checkpoints_recomputed",
-           "float64_numbers", "composite_kernels", "in_backward", "queue_at_backward_end",
+__all__ = ["compiling", "in_checkpoint_region", "recurrent_layers_as_eager",
+           "checkpoints_recomputed", "float64_numbers", "composite_kernels", "in_backward", "queue_at_backward_end",
            "release_saved_tensors", "storage_id", "set_versions", "replay_view", *_LAZY]
 
 

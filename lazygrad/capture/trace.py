@@ -201,12 +201,13 @@ def trace(
             # SDPA as its math: the fused kernels' backward ops have no ONNX translation.
             # The Python dispatcher: AOTAutograd runs the traced forward once more on the fakes
             # for its outputs, and without it some meta kernels (index's broadcast, as in
-            # bilinear upsampling) reach C++ ops that refuse symbolic sizes. LSTM, GRU and RNN as
-            # eager computes them (`private.recurrent_layers_as_eager`); fused ops as what they compute
-            # (`lowerings.COMPOSITE`).
+            # bilinear upsampling) reach C++ ops that refuse symbolic sizes. LSTM, GRU and RNN
+            # as eager computes them (`private.recurrent_layers_as_eager`); fused ops as what
+            # they compute (`lowerings.COMPOSITE`).
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
-                    private.recurrent_layers_as_eager(), private.composite_kernels(lowerings.COMPOSITE), \
+                    private.recurrent_layers_as_eager(), \
+                    private.composite_kernels(lowerings.COMPOSITE), \
                     private.checkpoints_recomputed(), checks.deferred():
                 outputs = compiled(*fakes)
         except CaptureError:
