@@ -207,8 +207,29 @@ class SpectralNormed(torch.nn.Module):
         return _cat(h, torch.mv(h.mean((2, 3)), self.direction)[:, None])
 
 
+class FourierLayer(torch.nn.Module):
+    """A Fourier neural operator's spectral layer: the lowest modes of a 2-D FFT mixed by a
+    complex parameter (`einsum`: a complex batched matmul), written into a tensor of zeros, and
+    the FFT's magnitude. torchlib translates no `unsqueeze`, `expand`, `where`, `bmm`,
+    `new_zeros`, `slice_scatter` of complex tensors, which these meet: written on their real
+    representation (`complex_pairs.py`); the layer ran eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = torch.nn.Conv2d(3, 4, 1)
+        self.modes = torch.nn.Parameter(torch.randn(4, 4, 3, 3, dtype=torch.cfloat) / 16)
+
+    def forward(self, x):
+        h = self.lift(x)
+        spectrum = torch.fft.rfft2(h)
+        mixed = torch.zeros_like(spectrum)
+        mixed[..., :3, :3] = torch.einsum("bixy,ioxy->boxy", spectrum[..., :3, :3], self.modes)
+        return _cat(torch.fft.irfft2(mixed, s=h.shape[-2:]), spectrum.abs())
+
+
 MODELS = {"transposed_convolution": TransposedConv, "weight_norm": WeightNormed,
-          "pooling_3d": Pooled3d, "embedding_bag": Bags, "spectral_norm": SpectralNormed}
+          "pooling_3d": Pooled3d, "embedding_bag": Bags, "spectral_norm": SpectralNormed,
+          "fourier_layer": FourierLayer}
 
 
 def _model(name: str) -> torch.nn.Module:

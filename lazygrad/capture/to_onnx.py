@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from lazygrad.capture import private
+from lazygrad.capture import complex_pairs, private
 from lazygrad.capture.partition import output_node, placeholders
 from lazygrad.capture.trace import in_float64, onnx_registry
 from lazygrad.session import COMPLEX_OUTPUTS
@@ -29,6 +29,9 @@ _lock = threading.Lock()
 
 
 def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
+    registry = onnx_registry()
+    complex_pairs.as_real_pairs(gm, lambda op: any(
+        translation.is_complex for translation in registry.get_decomps(op)))
     _numbers_as_tensors(gm)
     _strided_views_in_storage_order(gm)
     gm, constants = _lift_constants(gm)
@@ -96,7 +99,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         private.onnx_fx_passes.insert_type_promotion_nodes(module)
         program._graph_module = private.onnx_fx_passes.remove_assertion_nodes(module)
         onnx_program = private.onnx_core._exported_program_to_onnx_program(
-            program, registry=onnx_registry()
+            program, registry=registry
         )
     # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
     # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
