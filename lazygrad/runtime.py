@@ -261,11 +261,7 @@ class Runtime:
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
         call = flatten_call(args, kwargs)
         if any(t.is_nested or t.layout != torch.strided for t in call.tensors):
-            # A nested or sparse tensor (a module's inference fast path hands its layers
-            # one): no graph takes it, so the call runs as it would without lazygrad.
-            with self._lock:
-                self.stats.eager_steps += 1
-            return self._eager(args, kwargs)
+            return self._call_without_graphs(args, kwargs, call)
         if self._changing:
             return self._changing_call(args, kwargs)
         opaque = opaque_leaf(call)
@@ -293,6 +289,26 @@ class Runtime:
                 self.stats.eager_steps += 1
             return self._eager(args, kwargs)
         return self._call(signature, call, state, args, kwargs)
+
+    def _call_without_graphs(self, args: tuple, kwargs: dict, call: FlatCall) -> Any:
+        """A call with a tensor no graph takes. A nested tensor (a module's inference fast
+        path hands its layers one) runs as it would without lazygrad. A sparse one (a graph
+        network's adjacency matrix; ONNX has no sparse tensors): the module's own code runs in
+        eager PyTorch and its parts through ORT, said once; it ran eagerly whole, unsaid."""
+        position = next((i for i, leaf in enumerate(call.leaves) if isinstance(leaf, torch.Tensor)
+                         and not leaf.is_nested and leaf.layout != torch.strided), None)
+        if position is not None:
+            name = self._leaf_names(args, kwargs)[position]
+            reason = (f"{type(self.module).__name__}: its calls with {name} (a tensor of layout "
+                      f"{call.leaves[position].layout}) run its own code in eager PyTorch: ONNX "
+                      "has no sparse tensors")
+            if not self.options.strict and self._part_runtimes():
+                self._say_in_parts(reason, stacklevel=8)
+                return self.forward_fn(self.module, *args, **kwargs)
+            self._say_once(reason, stacklevel=8)
+        with self._lock:
+            self.stats.eager_steps += 1
+        return self._eager(args, kwargs)
 
     def _sized(self, signature: Signature, tensors: list[torch.Tensor],
                state: dict) -> Signature:

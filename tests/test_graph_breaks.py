@@ -303,3 +303,44 @@ def test_an_op_that_orders_its_error_check_by_an_effect_token_is_named_as_the_re
     assert len(breaks) == 1 and "linalg_inv_ex" in breaks[0], breaks
     assert "keeps" not in breaks[0]
     assert lazygrad.stats(lazy).parts["linear"].hits == 1
+
+
+class SparseGraphConvolution(torch.nn.Module):
+    """A graph convolution over a sparse adjacency matrix, as graph networks multiply by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 16)
+        self.outer = torch.nn.Linear(16, 4)
+
+    def forward(self, x, adjacency):
+        h = torch.relu(torch.sparse.mm(adjacency, self.inner(x)))
+        return torch.sparse.mm(adjacency, self.outer(h))
+
+
+def test_a_sparse_argument_runs_the_modules_own_code_eagerly_and_its_layers_through_ort():
+    """ONNX has no sparse tensors, so no graph takes the adjacency matrix: the whole model ran
+    eagerly, and nothing said so. Now the module's own code runs eagerly, its layers through
+    ORT, and the break is said once, naming the argument."""
+    torch.manual_seed(0)
+    edges = torch.randint(0, 10, (2, 30))
+    adjacency = torch.sparse_coo_tensor(edges, torch.rand(30), (10, 10)).coalesce()
+    eager = SparseGraphConvolution()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(10, 8)
+            for model in (lazy, eager):
+                model.zero_grad(set_to_none=True)
+            got, want = lazy(x, adjacency), eager(x, adjacency)
+            assert_close(got.detach(), want.detach(), f"step {step}: output")
+            got.square().sum().backward()
+            want.square().sum().backward()
+            assert_grads_equal(lazy, eager, f"step {step}")
+    (said,) = _warnings_of(caught, lazygrad.GraphBreakWarning)
+    assert "argument 1 ('adjacency')" in said and "sparse" in said
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0
+    for name in ("inner", "outer"):
+        assert stats.parts[name].hits == 2 and stats.parts[name].fallbacks == 0, name
