@@ -227,9 +227,24 @@ class FourierLayer(torch.nn.Module):
         return _cat(torch.fft.irfft2(mixed, s=h.shape[-2:]), spectrum.abs())
 
 
+class Biaffine(torch.nn.Module):
+    """`nn.Bilinear` (a biaffine scorer): its kernel, `_trilinear`, has no ONNX translation,
+    nor has its backward; traced as the contraction it computes (`lowerings.bilinear`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.score = torch.nn.Bilinear(8, 8, 5)
+        self.unbiased = torch.nn.Bilinear(8, 8, 2, bias=False)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return _cat(self.score(h, h.flip(-1).tanh()), self.unbiased(h.mean(1), h.amax(1)))
+
+
 MODELS = {"transposed_convolution": TransposedConv, "weight_norm": WeightNormed,
           "pooling_3d": Pooled3d, "embedding_bag": Bags, "spectral_norm": SpectralNormed,
-          "fourier_layer": FourierLayer}
+          "fourier_layer": FourierLayer, "bilinear": Biaffine}
 
 
 def _model(name: str) -> torch.nn.Module:

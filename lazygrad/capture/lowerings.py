@@ -19,7 +19,7 @@ into the `randint` eager draws alike (`random_integers`). Like torch._decomp's
 tables these compute the op itself, not a gradient of anything, and every graph built with
 them is checked against its FX graph (verify.py) before it serves a step. Replication padding
 and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
-whose gradients translate.
+whose gradients translate; `nn.Bilinear`'s op as one contraction (`bilinear`).
 """
 
 from __future__ import annotations
@@ -474,10 +474,20 @@ def dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     return input
 
 
+def bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`nn.Bilinear`'s op, x1^T W_o x2 (+ b_o) for each output o, as one contraction: torch's
+    kernel is `_trilinear`, which has no ONNX translation, nor has its backward (biaffine
+    scorers ran in parts)."""
+    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    return out if bias is None else out + bias
+
+
 # Ops traced as what they compute (`private.composite_kernels`), above autograd: the backward
 # ops of their own kernels (fused, or restrided) have no ONNX translation; and `dropout` as
 # eager computes it.
 COMPOSITE = {
+    aten.bilinear.default: bilinear,
     aten.dropout.default: dropout,
     aten._weight_norm.default: weight_norm,
     aten.embedding_bag.padding_idx: embedding_bag,
