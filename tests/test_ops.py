@@ -496,7 +496,23 @@ class ComplexRotary(torch.nn.Module):
         return torch.view_as_real(rotated[0] * rotated[1].conj()).flatten(1)
 
 
-@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst, ComplexRotary])
+class TimeMixing(torch.nn.Module):
+    """A Linear across time steps (a transposed input: a matmul and a bias added after it), a
+    GELU reading the sum: the backward reads the sum, whose node the forward's rewrite into one
+    `addmm` (`head.py`) replaced under another name; the backward's link to it was lost, and
+    PatchTSMixer ran in parts ("KeyError: 'add'")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.gelu(self.mix(x.view(4, 16, 16).transpose(1, 2)))
+        return self.out(h.transpose(1, 2)).flatten(0, 1)
+
+
+@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst, ComplexRotary, TimeMixing])
 def test_a_model_whose_trace_ort_or_the_exporter_took_otherwise_runs_through_ort(model):
     torch.manual_seed(0)
     eager = model()

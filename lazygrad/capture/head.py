@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from lazygrad.capture.partition import Partitioned, output_node, placeholders
+from lazygrad.capture.partition import Partitioned, output_node, placeholders, replace_node
 from lazygrad.capture.tidy import strip_views
 
 aten = torch.ops.aten
@@ -158,8 +158,7 @@ def _bias_into_matmul(graph: fx.Graph, add: fx.Node) -> bool:
                 fused = graph.call_function(view.target, (fused, *view.args[1:]))
                 fused.meta.update(view.meta)
         fused.meta["val"] = result
-        add.replace_all_uses_with(fused)
-        graph.erase_node(add)
+        replace_node(add, fused)
         return True
     return False
 
@@ -197,8 +196,7 @@ def _pick_without_log_softmax(graph: fx.Graph, gather: fx.Node) -> bool:
         totals.meta.update(gather.meta)
         difference = graph.call_function(aten.sub.Tensor, (picked, totals))
         difference.meta.update(gather.meta)
-    gather.replace_all_uses_with(difference)
-    graph.erase_node(gather)
+    replace_node(gather, difference)
     return True
 
 

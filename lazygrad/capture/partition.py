@@ -36,6 +36,18 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
+def replace_node(old: fx.Node, new: fx.Node) -> None:
+    """Put the new node `new` in place of `old`, under `old`'s name: a backward placeholder
+    names the forward node it reads (AOTAutograd's link between the two graphs, `tidy.py`), and
+    a rewritten node the backward reads (a biased logits' matmul, saved for a GELU after it)
+    lost its link (PatchTSMixer's graphs were refused: "KeyError: 'add_1'"). Names never
+    freed by the graph stay unique: `old` is erased first, and no node took its name since."""
+    name = old.name
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+    new.name = name
+
+
 def partition(traced: Traced, recompute: bool) -> Partitioned:
     draws = random_draws.lift(traced.joint)
     copies.drop_value_copies(traced.joint)
