@@ -315,6 +315,33 @@ def test_dropout_between_stacked_recurrent_layers_draws_what_eager_draws(kind):
     assert ran_through_ort([out]) and lazygrad.stats(lazy).fallbacks == 0
 
 
+class UnreadDropout(torch.nn.Module):
+    """Drops out a tensor it never reads (as Hugging Face's Canine does), then one it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.linear(x)
+        self.dropout(h)
+        return self.dropout(torch.tanh(h))
+
+
+def test_a_dropout_whose_result_nothing_reads_draws_as_eager_and_the_model_runs_through_ort():
+    """AOTAutograd's partitioner took the unread dropout's result for a tensor and failed
+    ("Expected native_dropout to be a tensor"): the model ran in parts. Its draw is made as
+    eager makes it, so the dropout after it drops what eager drops."""
+    torch.manual_seed(0)
+    eager = UnreadDropout()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        out = _seeded_step_like_eager(lazy, eager, 10 + step, torch.randn(4, 8), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert ran_through_ort([out]) and (stats.breaks, stats.fallbacks) == (0, 0)
+
+
 class ConvDropout(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -132,6 +132,22 @@ def onnx_registry() -> Any:
         return _REGISTRY
 
 
+def _unread_draws_picked(joint: fx.GraphModule) -> None:
+    """A Dropout whose result nothing reads (Canine drops out a tensor it never uses) still
+    draws in eager PyTorch, and stays in the joint graph as a random op; AOTAutograd's
+    partitioner takes a tuple result with no reader for a tensor and failed ("Expected
+    native_dropout to be a tensor"), and the model ran in parts. Each such result gets a reader
+    of its first element, as a read one has: the partitioner keeps it, and its draw is made
+    as eager makes it (`draws.py`)."""
+    for node in list(joint.graph.nodes):
+        value = node.meta.get("val")
+        if node.op == "call_function" and not node.users and isinstance(value, (tuple, list)) \
+                and value and isinstance(value[0], torch.Tensor):
+            with joint.graph.inserting_after(node):
+                first = joint.graph.call_function(operator.getitem, (node, 0))
+            first.meta["val"] = value[0]
+
+
 def fake_primals(
     primals: Sequence[torch.Tensor], dynamic: Sequence[Sequence[bool]],
     mode: private.FakeTensorMode
@@ -185,6 +201,7 @@ def trace(
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
+            _unread_draws_picked(joint)
             return private.default_partition(joint, joint_inputs, **kwargs)
 
         def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
