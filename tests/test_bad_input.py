@@ -254,3 +254,53 @@ def test_nan_and_inf_in_inputs_propagate_as_in_eager():
         assert torch.equal(p.grad.isnan(), q.grad.isnan()), name
         torch.testing.assert_close(p.grad, q.grad, equal_nan=True, rtol=1e-5, atol=1e-6)
     _assert_still_trains_like_eager(lazy, eager)
+
+
+class Indexed(torch.nn.Module):
+    """Token ids into an embedding, picks along a dimension, rows selected, and class labels
+    into a loss: each index eager's kernels check for its range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 6)
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, ids, picks, rows, labels):
+        logits = self.head(self.embed(ids).mean(1))
+        picked = logits.gather(1, picks) + logits.index_select(0, rows)[:, :1]
+        return torch.nn.functional.cross_entropy(logits, labels) + picked.sum()
+
+
+INDEX_INPUTS = {"ids": torch.tensor([[1, 2], [3, 9], [0, 5]]),
+                "picks": torch.tensor([[0], [3], [2]]), "rows": torch.tensor([2, 0, 1]),
+                "labels": torch.tensor([0, 3, -100])}
+
+
+@pytest.mark.parametrize("name,bad", [("ids", -1), ("ids", 10), ("picks", -1), ("rows", -1),
+                                      ("labels", -1), ("labels", 4)])
+def test_an_index_out_of_its_range_raises_eagers_error_through_ort(name, bad):
+    """ONNX's Gather, GatherElements and the loss's pick take -1 for the last entry, where
+    eager raises: a token id or a label of -1 (a padding value taken for `ignore_index`) trained
+    silently on the last row or class. The graph checks its index arguments; a call with one
+    out of range runs again in eager PyTorch, which raises eager's error."""
+    torch.manual_seed(0)
+    eager = Indexed()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for _ in range(2):
+        lazy(**INDEX_INPUTS).backward()
+    inputs = {key: value.clone() for key, value in INDEX_INPUTS.items()}
+    inputs[name][1].view(-1)[0] = bad
+    with pytest.raises(Exception) as expected:
+        eager(**inputs)
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+        lazy(**inputs)
+    assert lazygrad.stats(lazy).hits == 1 and lazygrad.stats(lazy).fallbacks == 0
+    for model in (lazy, eager):
+        model.zero_grad(set_to_none=True)
+    got, want = lazy(**INDEX_INPUTS), eager(**INDEX_INPUTS)
+    assert_close(got.detach(), want.detach(), "the loss after the error")
+    got.backward()
+    want.backward()
+    for (parameter, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {parameter} after the error")
+    assert lazygrad.stats(lazy).hits == 2

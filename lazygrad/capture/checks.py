@@ -7,15 +7,25 @@ a flow's base density) ran in parts. torch.compile turns the checks off for the 
 here each check's tensor is kept instead, the trace goes on as if it held, and the graph returns
 whether all held (`Functional`): a call where one did not runs again in eager PyTorch, which
 raises the distribution's own error (`GraphPair.forward`).
+
+The index arguments eager's kernels check are kept alike (`_IndexChecks`): ONNX's Gather,
+GatherElements, ScatterElements and OneHot take a negative index from the end, where
+`embedding`, `gather`, `index_select`, `scatter`, `index_add`, `one_hot` and the class targets
+of `cross_entropy` and `nll_loss` raise in eager; a token id or a label of -1 (a padding value
+mistaken for `ignore_index`) trained silently on the last row or class. A call with an index
+out of its range runs again in eager PyTorch, which raises eager's error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 _state = threading.local()
 
@@ -37,7 +47,8 @@ def deferred() -> Iterator[None]:
 
     torch._is_all_true = keep
     try:
-        yield
+        with _IndexChecks():
+            yield
     finally:
         torch._is_all_true = checking
 
@@ -56,3 +67,60 @@ def kept() -> Iterator[list[torch.Tensor]]:
 def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
     """One boolean: whether every check held."""
     return torch.stack([check.all() for check in checks]).all()
+
+
+def _in_range(index: torch.Tensor, size: int, allowed: int | None = None) -> torch.Tensor:
+    held = (index >= 0) & (index < size)
+    return held if allowed is None else held | (index == allowed)
+
+
+def _along(dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return _in_range(index, source.shape[dim])
+
+
+def _classes(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+             **_: Any) -> torch.Tensor | None:
+    if target.is_floating_point():  # class probabilities, not indices
+        return None
+    return _in_range(target, input.shape[1 if input.dim() > 1 else 0], ignore_index)
+
+
+# function -> the check of its index arguments, from the call's (args, kwargs), or None
+_CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
+    F.embedding: lambda a, k: _in_range(a[0], (a[1] if len(a) > 1 else k["weight"]).shape[0]),
+    torch.embedding: lambda a, k: _in_range(a[1], a[0].shape[0]),
+    F.one_hot: lambda a, k: None if (n := a[1] if len(a) > 1 else k.get("num_classes", -1)) < 0
+    else _in_range(a[0], n),
+    F.cross_entropy: lambda a, k: _classes(*a, **k),
+    F.nll_loss: lambda a, k: _classes(*a, **k),
+    **{function: lambda a, k: _along(_dim(a, k), _index(a, k), a[0]) for function in (
+        torch.gather, torch.Tensor.gather, torch.index_select, torch.Tensor.index_select,
+        torch.Tensor.scatter, torch.Tensor.scatter_, torch.scatter, torch.Tensor.scatter_add,
+        torch.Tensor.scatter_add_, torch.scatter_add, torch.Tensor.scatter_reduce,
+        torch.Tensor.scatter_reduce_, torch.scatter_reduce, torch.Tensor.index_add,
+        torch.Tensor.index_add_, torch.index_add, torch.Tensor.index_copy,
+        torch.Tensor.index_copy_, torch.index_copy, torch.Tensor.index_fill,
+        torch.Tensor.index_fill_, torch.index_fill)},
+}
+
+
+def _dim(args: tuple, kwargs: dict) -> int:
+    return args[1] if len(args) > 1 else kwargs["dim"]
+
+
+def _index(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[2] if len(args) > 2 else kwargs["index"]
+
+
+class _IndexChecks(TorchFunctionMode):
+    """While a forward runs in a trace (`kept` open): the index arguments of the functions in
+    `_CHECKS` are kept as checks (`_is_all_true`, which `deferred` keeps)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        check = _CHECKS.get(func)
+        if check is not None and getattr(_state, "kept", None) is not None:
+            held = check(args, kwargs)
+            if held is not None:
+                torch._is_all_true(held)
+        return func(*args, **kwargs)
