@@ -78,14 +78,17 @@ def _along(dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return _in_range(index, source.shape[dim])
 
 
-def _classes(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-             **_: Any) -> torch.Tensor | None:
+def _classes(input: torch.Tensor, target: torch.Tensor, weight: Any = None,
+             size_average: Any = None, ignore_index: int = -100, *_: Any,
+             **__: Any) -> torch.Tensor | None:
+    """`cross_entropy`'s and `nll_loss`'s targets, by their parameters' order."""
     if target.is_floating_point():  # class probabilities, not indices
         return None
     return _in_range(target, input.shape[1 if input.dim() > 1 else 0], ignore_index)
 
 
-# function -> the check of its index arguments, from the call's (args, kwargs), or None
+# function -> the check of its index arguments, from the call's (args, kwargs), or None. Not
+# `index_fill`, `take_along_dim` and indexing (`x[rows]`), which take -1 from the end in eager.
 _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     F.embedding: lambda a, k: _in_range(a[0], (a[1] if len(a) > 1 else k["weight"]).shape[0]),
     torch.embedding: lambda a, k: _in_range(a[1], a[0].shape[0]),
@@ -99,8 +102,7 @@ _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
         torch.Tensor.scatter_add_, torch.scatter_add, torch.Tensor.scatter_reduce,
         torch.Tensor.scatter_reduce_, torch.scatter_reduce, torch.Tensor.index_add,
         torch.Tensor.index_add_, torch.index_add, torch.Tensor.index_copy,
-        torch.Tensor.index_copy_, torch.index_copy, torch.Tensor.index_fill,
-        torch.Tensor.index_fill_, torch.index_fill)},
+        torch.Tensor.index_copy_, torch.index_copy)},
 }
 
 
