@@ -108,6 +108,10 @@ OPS = {
         F.interpolate(h, size=(11, 5), mode="bilinear", align_corners=True),
         F.interpolate(h, scale_factor=0.5, mode="bilinear"),
     ),
+    # torch's decompositions reduce with `prims.prod` (products.py); `cumprod`'s backward
+    # finds the zeros of each row with `max` of a boolean (`lowerings.boolean_maximum`)
+    "products": lambda h: _cat(torch.prod(h.tanh(), 1), torch.cumprod(torch.relu(h), -1),
+                               torch.cumprod(1 - torch.sigmoid(h), 2)),
     "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
     "max_min_reductions": _max_min_reductions,
     "group_norm": torch.nn.GroupNorm(2, 4),

@@ -15,7 +15,8 @@ into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; and attention's `_safe_softmax` into one that finds its masked rows in
 one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
-into the `randint` eager draws alike (`random_integers`). Like torch._decomp's
+into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
+bytes (`boolean_maximum`). Like torch._decomp's
 tables these compute the op itself, not a gradient of anything, and every graph built with
 them is checked against its FX graph (verify.py) before it serves a step. Replication padding
 and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
@@ -354,6 +355,16 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return aten.topk.default(self, k, dim, largest, True)
 
 
+def boolean_maximum(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
+    """`max(dim)` of a boolean tensor (whether a row holds a zero, in `cumprod`'s backward) as
+    the maximum of its bytes: ONNX Runtime has no ArgMax of booleans and refused the graph.
+    The same values and first indices; other dtypes are traced as they are."""
+    if self.dtype != torch.bool:
+        return NotImplemented
+    values, indices = aten.max.dim(self.to(torch.uint8), dim, keepdim)
+    return values.to(torch.bool), indices
+
+
 def random_integers(self: torch.Tensor, low: int, high: int | None = None, *,
                     generator: object = None) -> object:
     """`empty_like(x).random_(low, high)` (`random.from`, `random.to`) as `randint(low, high)`,
@@ -513,6 +524,7 @@ TABLE = {
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
+    aten.max.dim: boolean_maximum,
     aten._safe_softmax.default: safe_softmax,
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
     aten.random.to: random_integers_below,

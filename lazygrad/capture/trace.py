@@ -115,10 +115,11 @@ def onnx_registry() -> Any:
     """torchlib's translations, plus grouped matmul's (grouped_mm.py): those of a library's
     custom ops join once the library has defined them, so each call looks again. And
     `sort.stable` (lowerings.stable_sort) with torchlib's `sort`: ONNX's TopK, which breaks
-    ties by index, is a stable sort."""
+    ties by index, is a stable sort. And `prims.prod`, which torch's decompositions of `prod`
+    and `cumprod` reduce with (products.py)."""
     # Imported here, as the exporter is (`private`): its translations need onnxscript, which a
     # process that only loads built graphs never imports.
-    from lazygrad.capture import grouped_mm
+    from lazygrad.capture import grouped_mm, products
 
     global _REGISTRY
     with _registry_lock:
@@ -128,6 +129,7 @@ def onnx_registry() -> Any:
             )
             (sort,) = _REGISTRY.get_decomps(aten.sort.default)
             _REGISTRY.register_op(aten.sort.stable, sort.onnx_function)
+            _REGISTRY.register_op(torch.ops.prims.prod.default, products.prims_prod)
         grouped_mm.register(_REGISTRY, _REGISTERED)
         return _REGISTRY
 
