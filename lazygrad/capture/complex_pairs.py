@@ -261,6 +261,16 @@ def _empty_strided(emit: _Emit, node: fx.Node) -> fx.Node:
                              [*(2 * step for step in stride), 1], **kwargs))
 
 
+def _equal(emit: _Emit, node: fx.Node) -> fx.Node:
+    """Complex numbers are equal where both parts are (`ne`: where either differs)."""
+    left, right = node.args[:2]
+    dtype = (left if _is_complex(left) else right).meta["val"].dtype
+    pairs = emit(aten.eq.Tensor, _pair_of(emit, left, dtype), _pair_of(emit, right, dtype))
+    equal = emit(aten.all.dim, pairs, -1)
+    return equal if node.target in (aten.eq.Tensor, aten.eq.Scalar) \
+        else emit(aten.logical_not.default, equal)
+
+
 def _parts(emit: _Emit, node: fx.Node) -> Sequence[fx.Node]:
     pairs = emit.real(node)
     return [emit(aten.select.int, pairs, -1, part) for part in (0, 1)]
@@ -302,6 +312,10 @@ _REWRITES: dict[Any, Callable[[_Emit, fx.Node], fx.Node | None]] = {
     aten.zeros.default: _zeros(0),
     aten.empty.memory_format: _zeros(0),
     aten.full.default: _zeros(0),
+    aten.eq.Tensor: _equal,
+    aten.eq.Scalar: _equal,
+    aten.ne.Tensor: _equal,
+    aten.ne.Scalar: _equal,
     aten.bmm.default: _product(aten.bmm.default),
     aten.mm.default: _product(aten.mm.default),
 }
