@@ -112,6 +112,11 @@ OPS = {
     # finds the zeros of each row with `max` of a boolean (`lowerings.boolean_maximum`)
     "products": lambda h: _cat(torch.prod(h.tanh(), 1), torch.cumprod(torch.relu(h), -1),
                                torch.cumprod(1 - torch.sigmoid(h), 2)),
+    # pairs as complex numbers, polar: angle's backward compares complex numbers with zero
+    # (`complex_pairs._equal`)
+    "complex_polar": lambda h: _cat(
+        torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).angle(),
+        torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).abs()),
     "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
     "max_min_reductions": _max_min_reductions,
     "group_norm": torch.nn.GroupNorm(2, 4),
