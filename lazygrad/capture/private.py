@@ -366,8 +366,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = ["compiling", "in_checkpoint_region", "recurrent_layers_as_eager",
            "checkpoints_recomputed", "float64_numbers", "composite_kernels", "in_backward",
-           "queue_at_backward_end",
-           "release_saved_tensors", "storage_id", "set_versions", "replay_view", *_LAZY]
+           "queue_at_backward_end", "release_saved_tensors", "storage_id", "set_versions",
+           "replay_view", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
