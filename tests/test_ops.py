@@ -90,6 +90,16 @@ def _attention(h):
                 F.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
+def _complex_assigned(h):
+    """Real values written into a complex tensor (a slice assignment: `slice_scatter` of a
+    real source), then complex products (`complex_pairs._same_op`)."""
+    pairs = torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2))
+    assigned = torch.zeros_like(pairs)
+    assigned[..., :2] = h[..., :2]
+    assigned[..., 2:] = pairs[..., 2:]
+    return torch.view_as_real(assigned * pairs).flatten(1)
+
+
 OPS = {
     "attention": _attention,
     "max_pool": _max_pool,
@@ -117,6 +127,7 @@ OPS = {
     "complex_polar": lambda h: _cat(
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).angle(),
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).abs()),
+    "complex_assigned": _complex_assigned,
     "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
     "max_min_reductions": _max_min_reductions,
     "group_norm": torch.nn.GroupNorm(2, 4),

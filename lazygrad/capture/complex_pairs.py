@@ -99,11 +99,21 @@ def _dim(dim: int) -> int:
 
 def _same_op(adjust: Callable[[fx.Node, list], list]) -> Callable[[_Emit, fx.Node], fx.Node]:
     """The node's op on the real representation, its arguments adjusted by `adjust(node,
-    args)`, the result viewed as complex."""
+    args)`, the result viewed as complex. A real floating-point tensor written into the
+    complex result (`copy`'s source, `index_put`'s values) is made a complex one first: its
+    imaginary part is 0, where broadcast as it is it would fill both parts."""
 
     def rewrite(emit: _Emit, node: fx.Node) -> fx.Node:
-        args = adjust(node, [emit.real(arg) for arg in node.args])
-        kwargs = {name: emit.real(value) for name, value in node.kwargs.items()}
+        dtype = node.meta["val"].dtype
+
+        def data(value: Any) -> Any:
+            found = value.meta.get("val") if isinstance(value, fx.Node) else None
+            if isinstance(found, torch.Tensor) and found.is_floating_point():
+                return _pair_of(emit, value, dtype)
+            return emit.real(value)
+
+        args = adjust(node, [data(arg) for arg in node.args])
+        kwargs = {name: data(value) for name, value in node.kwargs.items()}
         return emit.complex(emit(node.target, *args, **kwargs))
 
     return rewrite
