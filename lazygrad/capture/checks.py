@@ -122,7 +122,10 @@ class _IndexChecks(TorchFunctionMode):
         kwargs = kwargs or {}
         check = _CHECKS.get(func)
         if check is not None and getattr(_state, "kept", None) is not None:
-            held = check(args, kwargs)
+            try:
+                held = check(args, kwargs)
+            except (IndexError, KeyError, AttributeError, TypeError):
+                held = None  # arguments in a form not read here: the op itself judges them
             if held is not None:
                 torch._is_all_true(held)
         return func(*args, **kwargs)
