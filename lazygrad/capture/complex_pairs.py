@@ -97,13 +97,17 @@ def _dim(dim: int) -> int:
     return dim - 1 if dim < 0 else dim
 
 
-def _same_op(adjust: Callable[[fx.Node, list], list]) -> Callable[[_Emit, fx.Node], fx.Node]:
+def _same_op(
+    adjust: Callable[[fx.Node, list], list]
+) -> Callable[[_Emit, fx.Node], fx.Node | None]:
     """The node's op on the real representation, its arguments adjusted by `adjust(node,
     args)`, the result viewed as complex. A real floating-point tensor written into the
     complex result (`copy`'s source, `index_put`'s values) is made a complex one first: its
     imaginary part is 0, where broadcast as it is it would fill both parts."""
 
-    def rewrite(emit: _Emit, node: fx.Node) -> fx.Node:
+    def rewrite(emit: _Emit, node: fx.Node) -> fx.Node | None:
+        if not _is_complex(node):  # a complex input, a real result: not a layout op's
+            return None
         dtype = node.meta["val"].dtype
 
         def data(value: Any) -> Any:
