@@ -100,11 +100,29 @@ def _complex_assigned(h):
     return torch.view_as_real(assigned * pairs).flatten(1)
 
 
+class LearnedGrid(torch.nn.Module):
+    """A spatial transformer: its affine grid is learned, so the backward differentiates grid
+    sampling with respect to the grid. Reflection padding and bicubic sampling write a
+    coordinate's gradient with a broadcasting `copy`, which torchlib's translation did not
+    broadcast (`lowerings.broadcast_copy`): ORT refused the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor([[0.9, 0.2, 0.1], [-0.2, 0.8, -0.1]]))
+
+    def forward(self, h):
+        grid = F.affine_grid(self.theta.expand(len(h), 2, 3), list(h.shape), align_corners=False)
+        return _cat(*(F.grid_sample(h, grid * 1.2, mode=mode, padding_mode=padding,
+                                    align_corners=False)
+                      for mode, padding in (("bilinear", "reflection"), ("bicubic", "border"))))
+
+
 OPS = {
     "attention": _attention,
     "max_pool": _max_pool,
     "padding": _padded,
     "grid_sample": _sampled,
+    "grid_sample_learned": LearnedGrid(),
     "avg_pool": _avg_pool,
     "adaptive_avg_pool": lambda h: F.adaptive_avg_pool2d(h, (2, 3)),
     "adaptive_max_pool": lambda h: F.adaptive_max_pool2d(_ties(h), (3, 5)),

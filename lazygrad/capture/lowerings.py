@@ -16,7 +16,8 @@ into a matrix product (`matrix_vector`); an unstable sort into the stable one
 and torch choose alike; and attention's `_safe_softmax` into one that finds its masked rows in
 one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
 into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
-bytes (`boolean_maximum`). Like torch._decomp's
+bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
+(`broadcast_copy`). Like torch._decomp's
 tables these compute the op itself, not a gradient of anything, and every graph built with
 them is checked against its FX graph (verify.py) before it serves a step. Replication padding
 and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
@@ -355,6 +356,18 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return aten.topk.default(self, k, dim, largest, True)
 
 
+def broadcast_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> object:
+    """`copy(self, src)` (a functionalized `self.copy_(src)`, a slice assignment) broadcasts
+    `src` to `self`'s shape; torchlib's translation hands `src` on as it is, and a smaller
+    source gave a tensor of another rank (grid sampling's reflection and bicubic modes: ORT
+    refused the graph, and the module ran in parts). The source expanded first; a source of
+    `self`'s shape is traced as it is."""
+    if [str(size) for size in src.shape] == [str(size) for size in self.shape]:
+        return NotImplemented
+    cast = aten._to_copy.default(src, dtype=self.dtype)
+    return aten.clone.default(aten.expand.default(cast, list(self.shape)))
+
+
 def boolean_maximum(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
     """`max(dim)` of a boolean tensor (whether a row holds a zero, in `cumprod`'s backward) as
     the maximum of its bytes: ONNX Runtime has no ArgMax of booleans and refused the graph.
@@ -525,6 +538,7 @@ TABLE = {
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
     aten.max.dim: boolean_maximum,
+    aten.copy.default: broadcast_copy,
     aten._safe_softmax.default: safe_softmax,
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
     aten.random.to: random_integers_below,
