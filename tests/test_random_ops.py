@@ -426,3 +426,17 @@ def test_the_stash_keeps_a_dropouts_mask_not_its_draw_and_a_missed_plan_draws_it
     assert ran_through_ort([out])
     # the dropout's mask, the ReLU's output (its backward reads it), the second layer's input
     assert sorted(map(str, saved)) == ["torch.bool", "torch.float32", "torch.float32"]
+
+
+def test_rrelu_out_of_training_runs_through_ort_as_its_leaky_relu():
+    """RReLU in eval mode draws nothing (a leaky ReLU of slope (lower + upper) / 2), but its op
+    is a random one, and the trace refused it as one: a model with RReLU ran in parts in eval
+    mode. In training its draws depend on the values, and it still runs in parts."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RReLU(0.1, 0.3),
+                                torch.nn.Linear(8, 4)).eval()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        out = _seeded_step_like_eager(lazy, eager, 10 + step, torch.randn(5, 8), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert ran_through_ort([out]) and (stats.breaks, stats.fallbacks) == (0, 0)

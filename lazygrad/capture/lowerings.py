@@ -17,11 +17,12 @@ and torch choose alike; and attention's `_safe_softmax` into one that finds its 
 one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
 into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
 bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
-(`broadcast_copy`). Like torch._decomp's
-tables these compute the op itself, not a gradient of anything, and every graph built with
-them is checked against its FX graph (verify.py) before it serves a step. Replication padding
-and grid sampling are traced as torch._decomp's own decompositions (`as_torch_decomposes`),
-whose gradients translate; `nn.Bilinear`'s op as one contraction (`bilinear`).
+(`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`). Like
+torch._decomp's tables these compute the op itself, not a gradient of anything, and every
+graph built with them is checked against its FX graph (verify.py) before it serves a step.
+Replication padding and grid sampling are traced as torch._decomp's own decompositions
+(`as_torch_decomposes`), whose gradients translate; `nn.Bilinear`'s op as one contraction
+(`bilinear`).
 """
 
 from __future__ import annotations
@@ -368,6 +369,18 @@ def broadcast_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = F
     return aten.clone.default(aten.expand.default(cast, list(self.shape)))
 
 
+def rrelu_in_eval(self: torch.Tensor, noise: torch.Tensor, lower: float = 0.125,
+                  upper: float = 1 / 3, training: bool = False,
+                  generator: object = None) -> object:
+    """RReLU out of training is a leaky ReLU of slope (lower + upper) / 2, as eager's kernel
+    computes it, with no draw; traced as its random op, it was refused as one (a model with
+    RReLU ran in parts in eval mode). In training its draws depend on the values (one per
+    negative element), so it stays as it is, refused."""
+    if training:
+        return NotImplemented
+    return aten.leaky_relu.default(self, (lower + upper) / 2), noise
+
+
 def boolean_maximum(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
     """`max(dim)` of a boolean tensor (whether a row holds a zero, in `cumprod`'s backward) as
     the maximum of its bytes: ONNX Runtime has no ArgMax of booleans and refused the graph.
@@ -538,6 +551,7 @@ TABLE = {
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
     aten.max.dim: boolean_maximum,
+    aten.rrelu_with_noise_functional.default: rrelu_in_eval,
     aten.copy.default: broadcast_copy,
     aten._safe_softmax.default: safe_softmax,
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
