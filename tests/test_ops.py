@@ -117,6 +117,16 @@ class LearnedGrid(torch.nn.Module):
                       for mode, padding in (("bilinear", "reflection"), ("bicubic", "border"))))
 
 
+def _accumulated(h):
+    """Positions picked along a later dimension, repeated ones among them (`x[:, :, i]`), and
+    sliding windows (`unfold`): each backward sums into those positions with an accumulating
+    `index_put` on that dimension (`lowerings.accumulate_rows`). torchlib translates it as a
+    ScatterND, which ORT refused for `unfold`'s int32 index, and whose "add" ORT's CPU kernel
+    runs on several threads without guarding repeated positions (onnxruntime#23396)."""
+    windows = h.unfold(-1, 3, 2)
+    return _cat(h[:, :, torch.tensor([0, 2, 2, 7, 0])] * 2, windows * windows.flip(-1))
+
+
 OPS = {
     "attention": _attention,
     "max_pool": _max_pool,
@@ -146,6 +156,7 @@ OPS = {
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).angle(),
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).abs()),
     "complex_assigned": _complex_assigned,
+    "accumulated": _accumulated,
     "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
     "max_min_reductions": _max_min_reductions,
     "group_norm": torch.nn.GroupNorm(2, 4),

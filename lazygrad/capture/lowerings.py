@@ -319,12 +319,20 @@ def accumulate_rows(
     torchlib exports it as ScatterND with reduction "add", which ONNX Runtime's CPU kernel runs
     on several threads without guarding duplicate indices (onnxruntime#23396): gradients came out
     wrong by up to a quarter, differently from run to run, and sometimes passed the check.
-    ScatterElements' "add" runs sequentially. Other index_put forms are left as they are."""
-    if not accumulate or len(indices) != 1 or indices[0] is None or not _integral(indices[0]):
+    ScatterElements' "add" runs sequentially. One index tensor on a later dimension (full
+    slices before it: `x[:, idx] += v`, and `unfold`'s backward, whose int32 index torchlib
+    handed to ScatterND, which ORT refused) is the same on that dimension moved to the front.
+    Other index_put forms are left as they are."""
+    if not accumulate or not indices or indices[-1] is None or not _integral(indices[-1]) \
+            or any(index is not None for index in indices[:-1]):
         return NotImplemented
-    index = indices[0]
+    index, dim = indices[-1], len(indices) - 1
+    if dim:
+        values = values.expand(*self.shape[:dim], *index.shape, *self.shape[dim + 1:])
+        values = values.movedim(tuple(range(dim, dim + index.dim())), tuple(range(index.dim())))
+        return accumulate_rows(self.movedim(dim, 0), [index], values, True).movedim(0, dim)
     tail = self.shape[1:]
-    rows = index.reshape(-1)
+    rows = index.reshape(-1).to(torch.int64)
     rows = torch.where(rows < 0, rows + self.shape[0], rows)
     source = values.expand(*index.shape, *tail).reshape(rows.shape[0], *tail)
     return self.scatter_add(0, rows.reshape(-1, *([1] * len(tail))).expand(source.shape), source)
