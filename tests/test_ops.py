@@ -561,7 +561,30 @@ class TimeMixing(torch.nn.Module):
         return self.out(h.transpose(1, 2)).flatten(0, 1)
 
 
-@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst, ComplexRotary, TimeMixing])
+class ImageTokens(torch.nn.Module):
+    """Image features written into the text embeddings at the image tokens' places by
+    `masked_scatter`, as LLaVA and other vision-language models merge them: the projector is
+    trained through the op's backward, which has no ONNX translation (`lowerings.
+    masked_scatter_backward`); LLaVA ran in parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = torch.nn.Linear(16, 16)
+        self.projector = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                             torch.nn.Linear(16, 16))
+        image_tokens = torch.zeros(4, 16, 1, dtype=torch.bool)
+        image_tokens[:, 2:5] = True
+        self.register_buffer("image_tokens", image_tokens)
+
+    def forward(self, x):
+        embeddings = self.text(x).view(4, 16, 16)
+        features = self.projector(x[:12])
+        merged = embeddings.masked_scatter(self.image_tokens.expand_as(embeddings), features)
+        return merged.flatten(0, 1)
+
+
+@pytest.mark.parametrize("model", [UnsortedRouter, NumberFirst, ComplexRotary, TimeMixing,
+                                   ImageTokens])
 def test_a_model_whose_trace_ort_or_the_exporter_took_otherwise_runs_through_ort(model):
     torch.manual_seed(0)
     eager = model()

@@ -17,7 +17,8 @@ and torch choose alike; and attention's `_safe_softmax` into one that finds its 
 one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
 into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
 bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
-(`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`). Like
+(`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
+`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
@@ -389,6 +390,23 @@ def rrelu_in_eval(self: torch.Tensor, noise: torch.Tensor, lower: float = 0.125,
     return aten.leaky_relu.default(self, (lower + upper) / 2), noise
 
 
+def masked_scatter_backward(grad_output: torch.Tensor, mask: torch.Tensor,
+                            sizes: list[int]) -> torch.Tensor:
+    """The source's gradient of `masked_scatter` (a vision-language model writes its image
+    features into the text embeddings so): the output gradient at the mask's positions, in
+    order, in the source's first elements, zeros after them. torch's kernel picks them with
+    `masked_select`, whose size is data, and the op has no ONNX translation (the model ran in
+    parts). Here each position's place in the source is its rank among the mask's positions
+    (a running count), and the others go to one more slot, dropped; each place receives one
+    value, so the sum that puts it there is exact."""
+    count = math.prod(sizes)
+    selected = mask.expand_as(grad_output).reshape(-1)
+    place = torch.cumsum(selected.to(torch.int64), 0) - 1
+    place = torch.where(selected, place, count)
+    gathered = grad_output.new_zeros(count + 1).scatter_add(0, place, grad_output.reshape(-1))
+    return gathered[:count].view(sizes)
+
+
 def boolean_maximum(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
     """`max(dim)` of a boolean tensor (whether a row holds a zero, in `cumprod`'s backward) as
     the maximum of its bytes: ONNX Runtime has no ArgMax of booleans and refused the graph.
@@ -559,6 +577,7 @@ TABLE = {
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
     aten.max.dim: boolean_maximum,
+    aten.masked_scatter_backward.default: masked_scatter_backward,
     aten.rrelu_with_noise_functional.default: rrelu_in_eval,
     aten.copy.default: broadcast_copy,
     aten._safe_softmax.default: safe_softmax,
