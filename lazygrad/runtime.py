@@ -302,10 +302,8 @@ class Runtime:
             reason = (f"{type(self.module).__name__}: its calls with {name} (a tensor of layout "
                       f"{call.leaves[position].layout}) run its own code in eager PyTorch: ONNX "
                       "has no sparse tensors")
-            if not self.options.strict and self._part_runtimes():
-                self._say_in_parts(reason, stacklevel=8)
+            if self._say_in_parts_or_eagerly(reason, "", "", stacklevel=8):
                 return self.forward_fn(self.module, *args, **kwargs)
-            self._say_once(reason, stacklevel=8)
         with self._lock:
             self.stats.eager_steps += 1
         return self._eager(args, kwargs)
@@ -438,13 +436,11 @@ class Runtime:
         constants = [p for p, leaf in enumerate(call.leaves) if not isinstance(leaf, torch.Tensor)]
         every = self._leaf_names(args, kwargs)
         names = ", ".join(every[constants[i]] for i in changing)
-        reason = (f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph "
-                  "is specialised on the numbers it is given")
-        if self.options.strict or not self._part_runtimes():
-            self._say_once(f"{reason}, so its calls with a new value run in eager PyTorch (pass "
-                           "a number that changes from call to call as a tensor)", stacklevel=10)
-            return True
-        self._say_in_parts(f"{reason}, so its calls with a new value run in parts", stacklevel=10)
+        self._say_in_parts_or_eagerly(
+            f"{type(self.module).__name__}: {names} took {NUMBER_VALUES} values: a graph is "
+            "specialised on the numbers it is given", ", so its calls with a new value run in "
+            "parts", ", so its calls with a new value run in eager PyTorch (pass a number that "
+            "changes from call to call as a tensor)", stacklevel=10)
         return True
 
     def _leaf_names(self, args: tuple, kwargs: dict) -> list[str]:
@@ -1103,14 +1099,24 @@ class Runtime:
         theirs to judge: those that change run eagerly, the others through ORT); before, the
         whole model ran eagerly. One without runs eagerly, as a fallback."""
         names = sorted({name for old, new in zip(before, after) for name, _ in set(new) - set(old)})
-        reason = (f"{type(self.module).__name__}: each call changes the module's own "
-                  f"attributes ({', '.join(names)}), which graphs are specialised on")
-        if self.options.strict or not self._part_runtimes():
-            self._say_once(f"{reason}, so its calls run in eager PyTorch", stacklevel=10)
-            return
+        in_parts = self._say_in_parts_or_eagerly(
+            f"{type(self.module).__name__}: each call changes the module's own attributes "
+            f"({', '.join(names)}), which graphs are specialised on", "",
+            ", so its calls run in eager PyTorch", stacklevel=10)
         with self._lock:
-            self._changing = True
-        self._say_in_parts(reason, stacklevel=10)
+            self._changing = in_parts
+
+    def _say_in_parts_or_eagerly(self, reason: str, in_parts: str, eagerly: str,
+                                 stacklevel: int) -> bool:
+        """Calls that no graph serves: in parts where the module has parts (its own code
+        eagerly, its parts through ORT), said once as a break with `in_parts` after the
+        reason; else (or in strict mode, which raises) eagerly, said once as a fallback with
+        `eagerly` after it. Whether they run in parts."""
+        if self.options.strict or not self._part_runtimes():
+            self._say_once(reason + eagerly, stacklevel + 1)
+            return False
+        self._say_in_parts(reason + in_parts, stacklevel + 1)
+        return True
 
     def _say_in_parts(self, reason: str, stacklevel: int) -> None:
         """A break that no signature holds (every call it covers runs in parts from now on):
