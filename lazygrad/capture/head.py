@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from lazygrad.capture import symbols
 from lazygrad.capture.partition import Partitioned, output_node, placeholders, replace_node
 from lazygrad.capture.tidy import strip_views
 
@@ -147,9 +148,9 @@ def _bias_into_matmul(graph: fx.Graph, add: fx.Node) -> bool:
         shaped = product_value if view is None else _value(view)
         if (shaped is None or bias_value.dim() != 1 or bias_value.dtype != product_value.dtype
                 or result.dtype != product_value.dtype
-                or not _same(result.shape, shaped.shape)
-                or not _same(bias_value.shape, product_value.shape[-1:])
-                or not _same(shaped.shape[-1:], product_value.shape[-1:])):
+                or not symbols.same_sizes(result.shape, shaped.shape)
+                or not symbols.same_sizes(bias_value.shape, product_value.shape[-1:])
+                or not symbols.same_sizes(shaped.shape[-1:], product_value.shape[-1:])):
             continue
         with graph.inserting_before(add):
             fused = graph.call_function(aten.addmm.default, (bias, *product.args))
@@ -198,11 +199,6 @@ def _pick_without_log_softmax(graph: fx.Graph, gather: fx.Node) -> bool:
         difference.meta.update(gather.meta)
     replace_node(gather, difference)
     return True
-
-
-def _same(a, b) -> bool:
-    """Two shapes are equal, symbol for symbol (comparing SymInts would add guards)."""
-    return [str(x) for x in a] == [str(x) for x in b]
 
 
 def _value(node: fx.Node) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from lazygrad.capture import private
+from lazygrad.capture import private, symbols
 
 aten = torch.ops.aten
 
@@ -372,7 +372,7 @@ def broadcast_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = F
     source gave a tensor of another rank (grid sampling's reflection and bicubic modes: ORT
     refused the graph, and the module ran in parts). The source expanded first; a source of
     `self`'s shape is traced as it is."""
-    if [str(size) for size in src.shape] == [str(size) for size in self.shape]:
+    if symbols.same_sizes(src.shape, self.shape):
         return NotImplemented
     cast = aten._to_copy.default(src, dtype=self.dtype)
     return aten.clone.default(aten.expand.default(cast, list(self.shape)))

@@ -34,6 +34,11 @@ def is_symbolic(value: object) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+def same_sizes(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Two shapes are equal, symbol for symbol (comparing SymInts would add guards)."""
+    return [str(size) for size in a] == [str(size) for size in b]
+
+
 def expression(value: object) -> sympy.Basic:
     """The sympy expression of a SymInt/SymFloat/SymBool (or a plain number)."""
     import sympy
