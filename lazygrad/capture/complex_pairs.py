@@ -208,12 +208,7 @@ def _scaled(emit: _Emit, node: fx.Node) -> fx.Node | None:
     if isinstance(right, complex):
         if node.target not in (aten.mul.Tensor, aten.mul.Scalar):
             return None
-        a, b = _parts(emit, left)  # (a + bi)(c + di) = (ac - bd) + (ad + bc)i
-        c, d = right.real, right.imag
-        real = emit(aten.sub.Tensor, emit(aten.mul.Tensor, a, c), emit(aten.mul.Tensor, b, d))
-        imaginary = emit(aten.add.Tensor, emit(aten.mul.Tensor, a, d),
-                         emit(aten.mul.Tensor, b, c))
-        return emit.complex(emit(aten.stack.default, [real, imaginary], -1))
+        return _times(emit, _parts(emit, left), (right.real, right.imag), aten.mul.Tensor)
     if isinstance(right, fx.Node):
         right = emit(aten.unsqueeze.default, right, -1)
     target = aten.mul.Tensor if node.target in (aten.mul.Tensor, aten.mul.Scalar) \
@@ -222,19 +217,24 @@ def _scaled(emit: _Emit, node: fx.Node) -> fx.Node | None:
 
 
 def _product(matmul: Any) -> Callable[[_Emit, fx.Node], fx.Node | None]:
-    """(a + bi)(c + di) = (ac - bd) + (ad + bc)i, each a real matrix product."""
+    """A matrix product of complex tensors: four real matrix products."""
 
     def rewrite(emit: _Emit, node: fx.Node) -> fx.Node | None:
         left, right = node.args[:2]
         if not (_is_complex(left) and _is_complex(right)):
             return None
-        a, b = _parts(emit, left)
-        c, d = _parts(emit, right)
-        real = emit(aten.sub.Tensor, emit(matmul, a, c), emit(matmul, b, d))
-        imaginary = emit(aten.add.Tensor, emit(matmul, a, d), emit(matmul, b, c))
-        return emit.complex(emit(aten.stack.default, [real, imaginary], -1))
+        return _times(emit, _parts(emit, left), _parts(emit, right), matmul)
 
     return rewrite
+
+
+def _times(emit: _Emit, left: Sequence[Any], right: Sequence[Any], multiply: Any) -> fx.Node:
+    """(a + bi)(c + di) = (ac - bd) + (ad + bc)i, from the parts of each side (nodes, or a
+    number's), each product made by `multiply`."""
+    (a, b), (c, d) = left, right
+    real = emit(aten.sub.Tensor, emit(multiply, a, c), emit(multiply, b, d))
+    imaginary = emit(aten.add.Tensor, emit(multiply, a, d), emit(multiply, b, c))
+    return emit.complex(emit(aten.stack.default, [real, imaginary], -1))
 
 
 def _conjugate(emit: _Emit, node: fx.Node) -> fx.Node:
