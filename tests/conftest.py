@@ -66,18 +66,28 @@ def assert_loss_step_like_eager(
 
 
 def sum_step_like_eager(
-    lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str
+    lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str,
+    loss: Callable[[torch.Tensor], torch.Tensor] = torch.sum,
 ) -> torch.Tensor:
-    """One step of two single-output models (grads zeroed, forward, backward of the output's
-    sum): the output and the gradients are eager's. Returns the lazy model's output."""
+    """One step of two single-output models (grads zeroed, forward, backward of `loss` of the
+    output: its sum): the output and the gradients are eager's. Returns the lazy model's
+    output."""
     for module in (lazy, eager):
         module.zero_grad(set_to_none=True)
     got, want = lazy(*inputs), eager(*inputs)
     assert_close(got.detach(), want.detach(), f"{what}: output")
-    got.sum().backward()
-    want.sum().backward()
+    loss(got).backward()
+    loss(want).backward()
     assert_grads_equal(lazy, eager, what)
     return got
+
+
+def squares_step_like_eager(
+    lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str
+) -> torch.Tensor:
+    """`sum_step_like_eager` on the sum of the output's squares (a gradient that depends on
+    the output, where the sum's is constant)."""
+    return sum_step_like_eager(lazy, eager, inputs, what, lambda out: out.square().sum())
 
 
 def all_masks(count: int) -> list[tuple[bool, ...]]:

@@ -12,7 +12,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal, ran_through_ort
+from conftest import assert_close, assert_grads_equal, ran_through_ort, squares_step_like_eager
 
 import lazygrad
 
@@ -190,26 +190,13 @@ def test_dropout_without_a_draw_hands_its_input_through_as_in_eager(training):
     eager = ProjectedThroughDropout(0.0).train(training)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     for step in range(3):
-        _squares_step_like_eager(lazy, eager, torch.randn(2, 5, 8), f"step {step}")
+        squares_step_like_eager(lazy, eager, (torch.randn(2, 5, 8),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
     decompositions = importlib.import_module("torch._decomp.decompositions")
     assert all(kernel is decompositions.dropout
                for kernel in torch.ops.aten.dropout.default.py_kernels.values()
                if getattr(kernel, "__name__", "") == "dropout")
-
-
-def _squares_step_like_eager(lazy, eager, x: torch.Tensor, what: str) -> torch.Tensor:
-    """One step of two single-output models on the sum of the output's squares: the output
-    and the gradients are eager's. Returns the lazy model's output."""
-    for module in (lazy, eager):
-        module.zero_grad(set_to_none=True)
-    got, want = lazy(x), eager(x)
-    assert_close(got.detach(), want.detach(), f"{what}: output")
-    got.square().sum().backward()
-    want.square().sum().backward()
-    assert_grads_equal(lazy, eager, what)
-    return got
 
 
 class JacobianPerSample(torch.nn.Module):
@@ -232,7 +219,7 @@ def test_an_output_made_by_a_prims_view_is_made_by_its_aten_twin():
     eager = JacobianPerSample()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     for step in range(3):
-        out = _squares_step_like_eager(lazy, eager, torch.randn(5, 4), f"step {step}")
+        out = squares_step_like_eager(lazy, eager, (torch.randn(5, 4),), f"step {step}")
     assert ran_through_ort([out])
     stats = lazygrad.stats(lazy)
     assert (stats.hits, stats.fallbacks, stats.breaks) == (2, 0, 0), stats.reasons

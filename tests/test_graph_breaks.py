@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal
+from conftest import assert_close, assert_grads_equal, squares_step_like_eager
 from test_capture import LoopRoutedMoE, _routed_tokens, _step
 
 import lazygrad
@@ -330,14 +330,7 @@ def test_a_sparse_argument_runs_the_modules_own_code_eagerly_and_its_layers_thro
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
-            x = torch.randn(10, 8)
-            for model in (lazy, eager):
-                model.zero_grad(set_to_none=True)
-            got, want = lazy(x, adjacency), eager(x, adjacency)
-            assert_close(got.detach(), want.detach(), f"step {step}: output")
-            got.square().sum().backward()
-            want.square().sum().backward()
-            assert_grads_equal(lazy, eager, f"step {step}")
+            squares_step_like_eager(lazy, eager, (torch.randn(10, 8), adjacency), f"step {step}")
     (said,) = _warnings_of(caught, lazygrad.GraphBreakWarning)
     assert "argument 1 ('adjacency')" in said and "sparse" in said
     stats = lazygrad.stats(lazy)
