@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from lazygrad import heap
+from lazygrad import heap, ties
 from lazygrad.capture import Captured, Feed
 from lazygrad.graph_pair import GraphPair
 
@@ -202,10 +202,12 @@ class _Suspects:
     def __init__(self) -> None:
         self._found: list[tuple[int, torch.Tensor, torch.Tensor, str]] = []
 
-    def compare(self, position: int, actual: torch.Tensor, wanted: object, what: str) -> None:
-        """Compare result `position` (ORT's `actual`, torch's `wanted`): raise on a mismatch of
-        shape, dtype, NaNs or exact values; hold a difference beyond the tolerance."""
-        message = _mismatch(actual, wanted, what)
+    def compare(self, position: int, actual: torch.Tensor, wanted: object, what: str,
+                pick: ties.Picker | None = None) -> None:
+        """Compare result `position` (ORT's `actual`, torch's `wanted`, a selection's indices
+        where `pick` gives the values they pick): raise on a mismatch of shape, dtype, NaNs or
+        exact values; hold a difference beyond the tolerance."""
+        message = _mismatch(actual, wanted, what, pick)
         if message is not None:
             assert isinstance(wanted, torch.Tensor)
             self._found.append((position, actual, wanted, message))
@@ -252,15 +254,23 @@ class _ForwardCheck(fx.Interpreter):
             if isinstance(result, fx.Node):
                 self._positions.setdefault(result, []).append(position)
         self._got, self._kept, self._suspects = got, kept, suspects
+        # The inputs of selections whose indices are compared, until they are (`ties`).
+        self._selected = {ties.selection(node) for node in self._positions} - {None}
+        self._sources: dict[fx.Node, torch.Tensor] = {}
         super().__init__(module, graph=graph)
 
     def run_node(self, node: fx.Node) -> object:
+        if node in self._selected:
+            self._sources[node] = self.env[node.args[0]]
         value = super().run_node(node)
+        chosen = ties.selection(node)
+        source = self._sources.pop(chosen, None)
+        pick = None if source is None else ties.picker(chosen, source)
         for position in self._positions.get(node, ()):
             actual = self._got[position]
             if position not in self._kept:
                 self._got[position] = None
-            self._suspects.compare(position, actual, value, f"forward result {position}")
+            self._suspects.compare(position, actual, value, f"forward result {position}", pick)
         return value if node.users else None
 
 
@@ -275,10 +285,13 @@ def _compare(actual: torch.Tensor, wanted: object, what: str) -> None:
         raise VerificationError(message)
 
 
-def _mismatch(actual: torch.Tensor, wanted: object, what: str) -> str | None:
+def _mismatch(actual: torch.Tensor, wanted: object, what: str,
+              pick: ties.Picker | None = None) -> str | None:
     """How `actual` (ORT's) differs from `wanted` (torch's) beyond `tolerance`, or None; raise
     where no rounding explains it (a shape, a dtype, NaNs elsewhere, an integer). A value that is
-    not a tensor in torch (a size the backward reads) is not compared."""
+    not a tensor in torch (a size the backward reads) is not compared. A selection's indices
+    (`pick` gives the values they pick) may differ where the values they pick are equal within
+    the tolerance: a near tie, which rounding orders either way."""
     if not isinstance(wanted, torch.Tensor):
         return None
     if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
@@ -290,7 +303,8 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str) -> str | None:
         actual, wanted = torch.view_as_real(actual.resolve_conj()), torch.view_as_real(
             wanted.resolve_conj())
     if not wanted.is_floating_point():
-        if not torch.equal(actual, wanted):
+        if not torch.equal(actual, wanted) and not (
+                pick is not None and _same_picks(actual, wanted, pick, what)):
             raise VerificationError(f"{what}: ORT and torch differ")
         return None
     error, scale, same_nans = _difference(actual, wanted)
@@ -300,6 +314,16 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str) -> str | None:
     if error > relative * scale + absolute:
         return f"{what}: ORT differs from torch by {error:.3g} (largest magnitude {scale:.3g})"
     return None
+
+
+def _same_picks(actual: torch.Tensor, wanted: torch.Tensor, pick: ties.Picker,
+                what: str) -> bool:
+    """Whether indices `actual` (ORT's) pick what `wanted` (torch's) pick, within `tolerance`."""
+    try:
+        picked = pick(actual)
+    except (RuntimeError, IndexError):  # an index out of range
+        return False
+    return _mismatch(picked, pick(wanted), what) is None
 
 
 _BLOCK = 1 << 20  # elements compared at once: a logits-sized result makes no full-size temporary
