@@ -18,7 +18,9 @@ one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(l
 into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
 bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
 (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
-`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`). Like
+`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`); `expm1` and
+`log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
+near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
@@ -499,6 +501,32 @@ def adaptive_avg_pool3d(input: torch.Tensor, output_size: list[int]) -> torch.Te
     return aten._adaptive_avg_pool3d.default(input, output_size)
 
 
+def precise_expm1(self: torch.Tensor) -> torch.Tensor:
+    """`expm1` to within a few roundings, as torch's kernel computes it. torchlib's `exp(x) - 1`
+    keeps no digit of a result near 0 (x = 1e-4 in float32: 1e-3 off; an xIELU activation's
+    gradient for its negative slope came out 3e-4 off eager's). Kahan's form: with u = exp(x)
+    rounded, (u - 1) * x / log(u) is exact to a few roundings; u = 1 gives x, u = 0 gives -1, an
+    overflow gives infinity."""
+    exp = aten.exp.default(self)
+    less_one = aten.sub.Tensor(exp, 1)
+    precise = aten.div.Tensor(aten.mul.Tensor(less_one, self), aten.log.default(exp))
+    precise = aten.where.self(aten.isinf.default(exp), exp, precise)
+    precise = aten.where.self(aten.eq.Scalar(less_one, -1), less_one, precise)
+    return aten.where.self(aten.eq.Scalar(exp, 1), self, precise)
+
+
+def precise_log1p(self: torch.Tensor) -> torch.Tensor:
+    """`log1p` to within a few roundings (torchlib's `log(1 + x)` loses what 1 + x rounds away:
+    all of x below 6e-8 in float32). Goldberg's form: with u = 1 + x rounded, log(u) * x /
+    (u - 1); u = 1 gives x, u = 0 gives -infinity, u = infinity itself."""
+    plus_one = aten.add.Tensor(self, 1)
+    precise = aten.div.Tensor(aten.mul.Tensor(aten.log.default(plus_one), self),
+                              aten.sub.Tensor(plus_one, 1))
+    precise = aten.where.self(aten.eq.Scalar(plus_one, math.inf), plus_one, precise)
+    precise = aten.where.self(aten.eq.Scalar(plus_one, 0), aten.log.default(plus_one), precise)
+    return aten.where.self(aten.eq.Scalar(plus_one, 1), self, precise)
+
+
 def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`_safe_softmax` (scaled dot-product attention's math path: a row that is all -inf, fully
     masked, gives zeros, not NaNs), with the masked rows found by one reduction: the row's
@@ -581,6 +609,8 @@ TABLE = {
     aten.rrelu_with_noise_functional.default: rrelu_in_eval,
     aten.copy.default: broadcast_copy,
     aten._safe_softmax.default: safe_softmax,
+    aten.expm1.default: precise_expm1,
+    aten.log1p.default: precise_log1p,
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
     aten.random.to: random_integers_below,
 }
