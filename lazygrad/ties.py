@@ -7,7 +7,8 @@ pooling window that differ by a rounding can come out in the other order: ORT pi
 the other (a VGG's pooling after BatchNorm and ReLU did, and the model ran in parts for it).
 Both picks are right within rounding, as the float results they come with are. So where the
 indices differ, the check compares the values they pick from torch's input instead, within the
-float tolerance; a wrong index picks a value that is not the maximum and still fails.
+float tolerance. A wrong index picks a value that is not the maximum, or the other of an
+exact tie (where ORT and torch both take the first), and still fails.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def selection(node: fx.Node) -> fx.Node | None:
 
 def picker(chosen: fx.Node, source: torch.Tensor) -> Picker:
     """A function from indices of `chosen` (a node `selection` returned) to the values of its
-    input `source` at them."""
+    input `source` at them, in the indices' shape."""
     target = chosen.target
     if target in _POOLINGS:
         flat = source.flatten(-_POOLINGS[target])
-        return lambda indices: flat.gather(-1, indices.flatten(-_POOLINGS[target]))
+        return lambda indices: flat.gather(
+            -1, indices.flatten(-_POOLINGS[target])).view(indices.shape)
     index, default = _DIM_ARGUMENT.get(target, (1, None if target in _INDICES_ALONE else -1))
     dim = chosen.kwargs.get("dim", default)
     if index is not None and len(chosen.args) > index:
@@ -64,4 +66,5 @@ def picker(chosen: fx.Node, source: torch.Tensor) -> Picker:
     if dim is None:
         return lambda indices: source.flatten()[indices]
     return lambda indices: source.gather(
-        dim, indices if indices.dim() == source.dim() else indices.unsqueeze(dim))
+        dim, indices if indices.dim() == source.dim() else indices.unsqueeze(dim),
+    ).view(indices.shape)

@@ -318,12 +318,17 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str,
 
 def _same_picks(actual: torch.Tensor, wanted: torch.Tensor, pick: ties.Picker,
                 what: str) -> bool:
-    """Whether indices `actual` (ORT's) pick what `wanted` (torch's) pick, within `tolerance`."""
+    """Whether indices `actual` (ORT's) pick what `wanted` (torch's) pick, within `tolerance`,
+    and differ only at near ties: where torch's values at the two picks are exactly equal,
+    ORT and torch both take the first, so another pick is an error."""
     try:
         picked = pick(actual)
     except (RuntimeError, IndexError):  # an index out of range
         return False
-    return _mismatch(picked, pick(wanted), what) is None
+    expected = pick(wanted)
+    differing = actual != wanted
+    return (_mismatch(picked, expected, what) is None
+            and not torch.any(picked[differing] == expected[differing]).item())
 
 
 _BLOCK = 1 << 20  # elements compared at once: a logits-sized result makes no full-size temporary
