@@ -7,8 +7,7 @@ pooling window that differ by a rounding can come out in the other order: ORT pi
 the other (a VGG's pooling after BatchNorm and ReLU did, and the model ran in parts for it).
 Both picks are right within rounding, as the float results they come with are. So where the
 indices differ, the check compares the values they pick from torch's input instead, within the
-float tolerance. A wrong index picks a value that is not the maximum, or the other of an
-exact tie (where ORT and torch both take the first), and still fails.
+float tolerance; a wrong index picks a value that is not the maximum and still fails.
 """
 
 from __future__ import annotations

@@ -318,17 +318,16 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str,
 
 def _same_picks(actual: torch.Tensor, wanted: torch.Tensor, pick: ties.Picker,
                 what: str) -> bool:
-    """Whether indices `actual` (ORT's) pick what `wanted` (torch's) pick, within `tolerance`,
-    and differ only at near ties: where torch's values at the two picks are exactly equal,
-    ORT and torch both take the first, so another pick is an error."""
+    """Whether indices `actual` (ORT's) pick what `wanted` (torch's) pick, within `tolerance`.
+    An exact tie in torch's values may be none in ORT's (a window of ReLU's zeros where ORT's
+    BatchNorm left one a rounding above 0), so the first of a tie is not asked for here; that
+    ORT's kernels take the first of an exact tie, as torch's do, is a test's
+    (`tests/test_verify.py`)."""
     try:
         picked = pick(actual)
     except (RuntimeError, IndexError):  # an index out of range
         return False
-    expected = pick(wanted)
-    differing = actual != wanted
-    return (_mismatch(picked, expected, what) is None
-            and not torch.any(picked[differing] == expected[differing]).item())
+    return _mismatch(picked, pick(wanted), what) is None
 
 
 _BLOCK = 1 << 20  # elements compared at once: a logits-sized result makes no full-size temporary
