@@ -254,8 +254,10 @@ class _ForwardCheck(fx.Interpreter):
             if isinstance(result, fx.Node):
                 self._positions.setdefault(result, []).append(position)
         self._got, self._kept, self._suspects = got, kept, suspects
-        # The inputs of selections whose indices are compared, until they are (`ties`).
-        self._selected = {ties.selection(node) for node in self._positions} - {None}
+        # Compared indices -> their selection, whose input is held until they are (`ties`).
+        self._chosen = {node: chosen for node in self._positions
+                        if (chosen := ties.selection(node)) is not None}
+        self._selected = set(self._chosen.values())
         self._sources: dict[fx.Node, torch.Tensor] = {}
         super().__init__(module, graph=graph)
 
@@ -263,7 +265,7 @@ class _ForwardCheck(fx.Interpreter):
         if node in self._selected:
             self._sources[node] = self.env[node.args[0]]
         value = super().run_node(node)
-        chosen = ties.selection(node)
+        chosen = self._chosen.get(node)
         source = self._sources.pop(chosen, None)
         pick = None if source is None else ties.picker(chosen, source)
         for position in self._positions.get(node, ()):

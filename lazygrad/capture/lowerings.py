@@ -66,9 +66,9 @@ def convolution_backward(
             grad_input = _input_gradient(grad_output, input, weight, stride, padding, dilation,
                                          groups)
     if output_mask[1]:
-        # A transposed convolution's weight gradient is a convolution's with the roles of its
-        # input and output exchanged.
         if transposed or groups > 1:
+            # A transposed convolution's weight gradient is a convolution's with the roles of
+            # its input and output exchanged.
             source, gradient = (grad_output, input) if transposed else (input, grad_output)
             grad_weight = _weight_gradient(gradient, source, weight, stride, padding, dilation,
                                            groups)
@@ -554,12 +554,11 @@ def precise_expm1(self: torch.Tensor) -> torch.Tensor:
 def precise_log1p(self: torch.Tensor) -> torch.Tensor:
     """`log1p` to within a few roundings (torchlib's `log(1 + x)` loses what 1 + x rounds away:
     all of x below 6e-8 in float32). Goldberg's form: with u = 1 + x rounded, log(u) * x /
-    (u - 1); u = 1 gives x, u = 0 gives -infinity, u = infinity itself."""
+    (u - 1), which gives -infinity at u = 0 itself; u = 1 gives x, u = infinity itself."""
     plus_one = aten.add.Tensor(self, 1)
     precise = aten.div.Tensor(aten.mul.Tensor(aten.log.default(plus_one), self),
                               aten.sub.Tensor(plus_one, 1))
     precise = aten.where.self(aten.eq.Scalar(plus_one, math.inf), plus_one, precise)
-    precise = aten.where.self(aten.eq.Scalar(plus_one, 0), aten.log.default(plus_one), precise)
     return aten.where.self(aten.eq.Scalar(plus_one, 1), self, precise)
 
 
