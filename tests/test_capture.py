@@ -125,6 +125,77 @@ def test_embedding_padding_row_gets_exactly_zero_gradient():
     assert lazygrad.stats(lazy).fallbacks == 0
 
 
+class MaxNormLM(torch.nn.Module):
+    """An embedding whose rows are renormalised in place at every lookup, tied to the head."""
+
+    def __init__(self, vocab: int = 12, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, max_norm=1.0)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def test_an_embedding_with_max_norm_renorms_its_rows_and_trains_like_eager():
+    """`Embedding(max_norm=...)` changes its weight in place, under no_grad, at every lookup.
+    AOTAutograd gives the changed weight a cotangent of its own, which made the capture fail
+    ("the backward takes 2 cotangents where 1 outputs get one"): the model ran eagerly."""
+    torch.manual_seed(0)
+    eager = MaxNormLM()
+    with torch.no_grad():
+        eager.embed.weight.mul_(3.0)  # rows beyond the max norm, so the lookups renorm them
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (lazy, eager)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, 12, (3, 5), generator=generator)
+        weight = lazy.embed.weight
+        _step(lazy, eager, (ids,), lambda o: o.square().sum(), f"step {step}", optimizers)
+        _assert_params_equal(lazy, eager, f"after step {step}")
+        assert lazy.embed.weight is weight and lazy.head.weight is weight, f"step {step}"
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 3, stats
+
+
+class DoublesItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2.0)  # recorded by autograd: the caller's later uses of x differentiate it
+        return self.linear(x)
+
+
+@pytest.mark.falls_back  # in parts
+def test_an_input_changed_in_place_under_autograd_is_refused_not_trained_wrong():
+    """Only a parameter's change in place (under no_grad, as a leaf's must be) drops its
+    cotangent: an input's recorded change sends the caller's later gradient through it. Taken
+    for a parameter's, x's gradient was 1.0 off, silently."""
+    torch.manual_seed(0)
+    eager = DoublesItsInput()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        base = torch.randn(3, 4)
+        grads = []
+        for model in (lazy, eager):
+            source = base.clone().requires_grad_()
+            x = source * 1.0
+            out = model(x)
+            (out.square().sum() + x.sum()).backward()
+            grads.append((out.detach(), x.detach(), source.grad))
+        for index, (got, want) in enumerate(zip(*grads)):
+            assert_close(got, want, f"step {step}: result {index}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and "changed in place" in stats.reasons[0], stats
+    assert stats.parts["linear"].hits >= 1
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Shared submodules and tied weights
 

@@ -175,8 +175,12 @@ def capture(
             if gm is not None:
                 head.rewrite(gm)
         masked = [i for i, bit in enumerate(outputs_share.root_mask(mask or ())) if bit]
+        # Parameters changed in place (so under no_grad): the call's tensors are detached
+        # copies here, whose own leaves say nothing of the caller's.
+        changed = [i for i in traced.mutated if primals[i].requires_grad]
         tidied = tidy.tidy(parts, len(primals), traced.mutated, len(traced.outputs),
-                           outputs_share, masked, fn.checked)
+                           outputs_share, masked, fn.checked,
+                           len(changed) if all(i < count for i in changed) else 0)
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 peephole.rewrite(gm)

@@ -73,10 +73,12 @@ class Tidy:
 
 
 def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: int,
-         aliasing: Aliasing, masked: list[int], checked: bool = False) -> Tidy:
+         aliasing: Aliasing, masked: list[int], checked: bool = False,
+         leaf_updates: int = 0) -> Tidy:
     """`num_outputs`: how many tensors the traced function returned (its roots, then its other
     outputs, then whether its checks held if `checked`: `trace.Functional`); `masked`: the roots
-    that have a cotangent, in order."""
+    that have a cotangent, in order; `leaf_updates`: how many of the `mutated` primals that
+    require grad are leaves (parameters), when all of them are (`_without_leaf_update_cotangents`)."""
     fw, bw = parts.forward, parts.backward
     for gm in (fw, bw):
         if gm is not None:
@@ -123,7 +125,8 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
     fw.recompile()
 
     if bw is not None:
-        tangents = [p for p in placeholders(bw) if p.name.startswith("tangents")]
+        tangents = _without_leaf_update_cotangents(
+            bw, [p for p in placeholders(bw) if p.name.startswith("tangents")], leaf_updates)
         if len(tangents) != len(masked):
             raise CaptureError(
                 f"the backward takes {len(tangents)} cotangents where {len(masked)} outputs "
@@ -259,6 +262,48 @@ class _Where(dict):
             value = value.resolve()
             self[key] = value
         return value
+
+
+def _without_leaf_update_cotangents(bw: fx.GraphModule, tangents: list[fx.Node],
+                                    leaf_updates: int) -> list[fx.Node]:
+    """The backward's cotangents without the first `leaf_updates`, those of leaves that require
+    grad and the forward changed in place (so under no_grad: `Embedding(max_norm=...)`
+    renormalising its rows).
+
+    AOTAutograd gives such an input's new value a cotangent, which it adds to the input's
+    gradient: the gradient that later uses of the new value send back through it. lazygrad
+    writes the new value back into the leaf, which stays a leaf as in eager, so later uses
+    accumulate into its `.grad` themselves and this cotangent is zero: each sum it enters is its
+    other term. Used any other way (the change was seen by autograd), the capture is refused."""
+    extra = tangents[:leaf_updates]
+    if not all(_only_added(node) for node in extra):
+        return tangents
+    for node in extra:
+        for user in list(node.users):
+            if user.op == "output":
+                user.args = (pytree.tree_map(lambda a: None if a is node else a, user.args[0]),)
+            else:
+                other = user.args[1] if user.args[0] is node else user.args[0]
+                user.replace_all_uses_with(other)
+                bw.graph.erase_node(user)
+        bw.graph.erase_node(node)
+    bw.recompile()
+    return tangents[leaf_updates:]
+
+
+def _only_added(tangent: fx.Node) -> bool:
+    """Whether `tangent` is only returned or added to a tensor of its own size and dtype."""
+    value = tangent.meta.get("val")
+    for user in tangent.users:
+        if user.op == "output":
+            continue
+        if user.target != aten.add.Tensor or len(user.args) != 2 or user.kwargs:
+            return False
+        other = user.args[1] if user.args[0] is tangent else user.args[0]
+        seen = getattr(other, "meta", {}).get("val")
+        if value is None or seen is None or seen.shape != value.shape or seen.dtype != value.dtype:
+            return False
+    return True
 
 
 def _expand_numel(gm: fx.GraphModule) -> None:
