@@ -744,3 +744,86 @@ def test_expm1_and_log1p_keep_their_precision_near_zero():
     assert ran_through_ort(got)
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+
+
+class Likelihoods(torch.nn.Module):
+    """The negative log-likelihoods of a time-series or count model's heads, computed in the
+    model, as Hugging Face's TimeSeriesTransformer computes its Student-t loss: `lgamma` in the
+    forward, `digamma` in its backward; a Beta's entropy puts `digamma` in the forward and
+    `polygamma(1, x)` in the backward. None of them has an ONNX op (the model ran in parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params = torch.nn.Linear(8, 7)
+
+    def forward(self, x, y, counts):
+        df, loc, scale, total, logits, a, b = self.params(x).unbind(-1)
+        student = torch.distributions.StudentT(2 + F.softplus(df), loc, F.softplus(scale))
+        counted = torch.distributions.NegativeBinomial(F.softplus(total) + 1e-3, logits=logits)
+        beta = torch.distributions.Beta(F.softplus(a), F.softplus(b))
+        gamma = torch.distributions.Gamma(F.softplus(a) + 0.1, F.softplus(b) + 0.1)
+        return (-student.log_prob(y).mean(), -counted.log_prob(counts).mean(),
+                beta.entropy().mean(), -gamma.log_prob(y.abs() + 0.1).mean(),
+                torch.lgamma(counts + 1))
+
+
+def test_lgamma_digamma_and_trigamma_run_through_ort_with_eagers_values():
+    torch.manual_seed(0)
+    eager = Likelihoods()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        x, y = 3 * torch.randn(256, 8), 4 * torch.randn(256)
+        counts = torch.poisson(torch.full((256,), 5.0))
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        got, want = lazy(x, y, counts), eager(x, y, counts)
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_close(a.detach(), b.detach(), f"step {step}: output {index}")
+        sum(out.sum() for out in got[:4]).backward()
+        sum(out.sum() for out in want[:4]).backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort(got)
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_lowered_gamma_functions_are_torchs_to_its_own_precision(dtype):
+    """Each lowering (`capture/special.py`), element by element, from -20 to 1e8, near the
+    zeros and poles: within a float32 rounding of the larger of 1 and the value (float32), or
+    1e-13 of it (float64: the reflection subtracts nearly equal numbers), judged by mpmath
+    (which torch's sympy brings; torch's own float32 `digamma` is farther off near the negative
+    integers, and its float64 `polygamma(1, x)` 1e-9 off); torch's values at the infinities and
+    NaN, and where torch's kernel gives them. At negative integers torch's
+    `polygamma(1, x)` gives a finite number from a rounded sine, the lowering the pole's inf."""
+    import mpmath
+
+    from lazygrad.capture import special
+
+    mpmath.mp.prec = 80
+    exact_of = {"lgamma": lambda v: mpmath.log(abs(mpmath.gamma(v))),
+                "digamma": lambda v: mpmath.psi(0, v),
+                "trigamma": lambda v: mpmath.psi(1, v)}
+
+    x = torch.cat([torch.linspace(-20, 20, 4001), torch.logspace(-8, 8, 161),
+                   -torch.logspace(-8, 1, 91) + 0.37, -torch.logspace(-8, 1, 91),
+                   torch.tensor([0.0, -0.0, 1.0, 2.0, 1.4616321, 1e30, -1e7 - 0.5,
+                                 math.inf, -math.inf, math.nan])]).to(dtype)
+    cases = {"lgamma": (special.lgamma, torch.lgamma),
+             "digamma": (special.digamma, torch.digamma),
+             "trigamma": (lambda t: special.polygamma(1, t), lambda t: torch.polygamma(1, t))}
+    for name, (lowered, kernel) in cases.items():
+        got, want = lowered(x), kernel(x)
+        assert got.dtype == dtype, name
+        if name == "trigamma":
+            pole = (x <= 0) & (x == x.floor()) & x.isfinite()
+            assert torch.equal(got[pole], torch.full_like(got[pole], math.inf)), name
+            got, want, x = got[~pole], want[~pole], x[~pole]
+        finite = torch.isfinite(want)
+        assert torch.equal(got[~finite].isnan(), want[~finite].isnan()), name
+        assert torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()), name
+        exact = torch.tensor([float(exact_of[name](value)) for value in x[finite].tolist()],
+                             dtype=torch.float64)
+        error = (got[finite].double() - exact).abs() / exact.abs().clamp_min(1.0)
+        assert error.max() <= (1.2e-7 if dtype == torch.float32 else 1e-13), name
+    assert torch.equal(special.lgamma(torch.tensor([1.0, 2.0])), torch.zeros(2))

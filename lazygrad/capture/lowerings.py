@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from lazygrad.capture import private, symbols
+from lazygrad.capture import private, special, symbols
 
 aten = torch.ops.aten
 
@@ -648,4 +648,5 @@ TABLE = {
     aten.log1p.default: precise_log1p,
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
     aten.random.to: random_integers_below,
+    **special.TABLE,
 }

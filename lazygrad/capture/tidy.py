@@ -78,7 +78,8 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
     """`num_outputs`: how many tensors the traced function returned (its roots, then its other
     outputs, then whether its checks held if `checked`: `trace.Functional`); `masked`: the roots
     that have a cotangent, in order; `leaf_updates`: how many of the `mutated` primals that
-    require grad are leaves (parameters), when all of them are (`_without_leaf_update_cotangents`)."""
+    require grad are leaves (parameters), when all of them are
+    (`_without_leaf_update_cotangents`)."""
     fw, bw = parts.forward, parts.backward
     for gm in (fw, bw):
         if gm is not None:
@@ -281,7 +282,8 @@ def _without_leaf_update_cotangents(bw: fx.GraphModule, tangents: list[fx.Node],
     for node in extra:
         for user in list(node.users):
             if user.op == "output":
-                user.args = (pytree.tree_map(lambda a: None if a is node else a, user.args[0]),)
+                user.args = (pytree.tree_map(
+                    lambda arg, cotangent=node: None if arg is cotangent else arg, user.args[0]),)
             else:
                 other = user.args[1] if user.args[0] is node else user.args[0]
                 user.replace_all_uses_with(other)
