@@ -42,6 +42,7 @@ from lazygrad.capture import (
     unchanged,
 )
 from lazygrad.eager import eager_mode, in_eager_mode
+from lazygrad.eager_record import EagerRecord, Watch
 from lazygrad.errors import FallbackWarning, GraphBreakWarning, LazygradError, explain_bad_input
 from lazygrad.forecast import MaskForecast
 from lazygrad.function import LazyFunction, behind_probe
@@ -506,6 +507,7 @@ class Runtime:
         set-up done once, as Hugging Face installing its output hooks at the first forward;
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
+        watch = Watch([*state.values(), *call.tensors])
         result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
@@ -543,9 +545,10 @@ class Runtime:
                     device=device,
                     index_key=key,
                 )
+        eager = watch.record(tensors)
         if not signature.grad:
             try:
-                self._pair_for(signature, entry, None, primals, None, device, tensors)
+                self._pair_for(signature, entry, None, primals, None, device, eager)
             except BuildFailed as failure:
                 return self._fall_back(signature, call, args, kwargs, str(failure), result,
                                        failure.where)
@@ -555,15 +558,17 @@ class Runtime:
         probed = [k for k, root in enumerate(roots) if root.requires_grad]
         if not probed:
             return result
-        probe = _FirstBackward(self, signature, entry, primals, len(roots), probed, device)
+        probe = _FirstBackward(self, signature, entry, primals, len(roots), probed, device,
+                               eager, watch)
         for k, root in zip(probed, behind_probe(probe, [roots[k] for k in probed])):
             roots[k] = root
         return self._written(template.rebuild(shared.remake(tensors, roots)))
 
     def first_backward(self, signature: Signature, entry: SignatureEntry, mask: Mask,
-                       primals: list[torch.Tensor], cotangents: tuple,
-                       device: torch.device) -> None:
-        """A first step's gradients arrived: build the graphs its mask (or the plan) needs."""
+                       primals: list[torch.Tensor], cotangents: tuple, device: torch.device,
+                       eager: EagerRecord | None) -> None:
+        """A first step's gradients arrived: build the graphs its mask (or the plan) needs;
+        `eager`: what the step's forward returned, which theirs must return too."""
         if not any(mask):
             return
         wanted = mask
@@ -571,7 +576,7 @@ class Runtime:
             wanted = entry.aliasing.normalized(entry.differentiable)
         try:
             pair = self._pair_for(signature, entry, wanted, primals,
-                                  cotangents if wanted == mask else None, device)
+                                  cotangents if wanted == mask else None, device, eager)
         except BuildFailed as failure:
             self._give_up_on(signature, failure)
             return
@@ -589,11 +594,11 @@ class Runtime:
         primals: list[torch.Tensor],
         cotangents: tuple | None,
         device: torch.device,
-        eager_outputs: list[torch.Tensor] | None = None,
+        eager: EagerRecord | None = None,
     ) -> GraphPair | None:
         """The pair for (signature, mask): a hit, or a miss that builds it. None mask: the
-        inference graph; `eager_outputs`: what eager PyTorch returned for `primals`, which a new
-        inference graph must return too (`verify_like_eager`).
+        inference graph; `eager`: what eager PyTorch returned for `primals`, which a new pair's
+        forward must return too (`verify_like_eager`).
 
         Waiting for builds (`Options.wait_for_builds`, strict mode), the build runs now, under
         the lock, so two threads meeting a new mask build it once; a failure raises
@@ -625,7 +630,7 @@ class Runtime:
             if structure is None or self.options.wait_for_builds or self.options.strict:
                 built = builder.run(lambda: self._build(
                     signature, entry, mask, primals, cotangents, device,
-                    self.module if structure is None else structure, False, eager_outputs))
+                    self.module if structure is None else structure, False, eager))
                 self._add(key, built)
                 return built.pair
             # The build reads this call's tensors after the caller has moved on (an optimizer
@@ -633,11 +638,9 @@ class Runtime:
             snapshot = [p.detach().clone().requires_grad_(p.requires_grad) for p in primals]
             given = None if cotangents is None else tuple(
                 None if c is None else c.detach().clone() for c in cotangents)
-            expected = None if eager_outputs is None else [
-                o.detach().clone() for o in eager_outputs]
             generation = self._generation
             future = builder.submit(lambda: self._build(
-                signature, entry, mask, snapshot, given, device, structure, True, expected))
+                signature, entry, mask, snapshot, given, device, structure, True, eager))
             self._building[key] = future
         future.add_done_callback(lambda done: self._built(key, entry, generation, done))
         return None
@@ -690,14 +693,14 @@ class Runtime:
         device: torch.device,
         module: torch.nn.Module,
         background: bool,
-        eager_outputs: list[torch.Tensor] | None,
+        eager: EagerRecord | None,
     ) -> PairEntry:
         """Runs on the builder thread: the pair, checked, with its statistics. `background`:
         the caller has moved on (tiered execution), so the check takes its turn (`turns.py`)."""
         started = time.perf_counter()
         try:
             pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
-                                               device, module, background, eager_outputs)
+                                               device, module, background, eager)
         except GraphRunError as error:
             if device.type == "cpu" and signature.half_precision:
                 # ORT's CPU provider has next to no bfloat16 or float16 kernels (MatMul, Gemm,
@@ -732,7 +735,7 @@ class Runtime:
         device: torch.device,
         module: torch.nn.Module,
         background: bool,
-        eager_outputs: list[torch.Tensor] | None,
+        eager: EagerRecord | None,
     ) -> tuple[GraphPair, bool]:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
         captured, key = self._trace(signature, entry, mask, primals, module)
@@ -748,8 +751,8 @@ class Runtime:
         with turns.check_turn() if background and mask is not None else contextlib.nullcontext():
             try:
                 verify(captured, pair, primals, cotangents, device)
-                if eager_outputs is not None:
-                    verify_like_eager(pair, primals, eager_outputs, device)
+                if eager is not None:
+                    verify_like_eager(pair, primals, eager, device)
             finally:
                 # A session's binding keeps the module state it last ran on: on the builder's
                 # thread, the build's copy of the parameters, for the rest of the process.
@@ -1219,18 +1222,22 @@ class _FirstBackward:
 
     def __init__(self, runtime: Runtime, signature: Signature, entry: SignatureEntry,
                  primals: list[torch.Tensor], count: int, probed: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, eager: EagerRecord | None, watch: Watch) -> None:
         self.runtime, self.signature, self.entry = runtime, signature, entry
         self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
         self.count, self.probed, self.device = count, probed, device
+        self.eager, self.watch = eager, watch
 
     def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         cotangents: list[torch.Tensor | None] = [None] * self.count
         for index, grad in zip(self.probed, grads):
             cotangents[index] = grad
         mask = self.entry.aliasing.output_mask([c is not None for c in cotangents])
+        # The build reads the state as it is now: what eager returned is its result only if
+        # nothing changed it since.
+        eager = None if self.watch.changed() else self.eager
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
-                                    tuple(cotangents), self.device)
+                                    tuple(cotangents), self.device, eager)
 
 
 def _unsized(signature: Signature) -> Signature:

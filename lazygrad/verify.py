@@ -30,6 +30,7 @@ from torch import fx
 
 from lazygrad import heap, ties
 from lazygrad.capture import Captured, Feed
+from lazygrad.eager_record import EagerRecord, sample
 from lazygrad.graph_pair import GraphPair
 
 
@@ -129,37 +130,31 @@ def verify(
         suspects.judge(float64_backward)
 
 
-def verify_like_eager(
-    pair: GraphPair,
-    primals: Sequence[torch.Tensor],
-    eager_outputs: Sequence[torch.Tensor],
-    device: torch.device,
-) -> None:
-    """Raise VerificationError unless the inference graph returns, on the call that eager
-    PyTorch ran, what eager returned.
+def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: EagerRecord,
+                      device: torch.device) -> None:
+    """Raise VerificationError unless the graphs' forward returns, on the call that eager
+    PyTorch ran and with the draws it drew, what eager returned (`eager_record.py`).
 
-    `verify` holds ORT to the trace; this holds the trace to the module. A module whose code
-    takes another path when traced than when run computes something else: nn.TransformerEncoder
-    under no_grad runs a nested-tensor fast path that zeroes padded positions, which a trace
-    cannot take, and its graph returned other values there. A graph with random draws is not
-    compared (its draws are not eager's)."""
-    if pair.graphs.draws:
-        return
+    `verify` holds ORT to the trace; this holds the trace to the module."""
     primals = [p.detach() for p in primals]
     env = pair.sizes(primals)
-    outputs = pair.module_outputs(pair.roots(pair.forward(primals, [], device), env), primals,
-                                  env)
-    if len(outputs) != len(eager_outputs):
+    with eager.replaying():
+        draws = pair.draw(env, device)
+    outputs = pair.module_outputs(pair.roots(pair.forward(primals, draws, device), env),
+                                  primals, env)
+    if len(outputs) != len(eager.samples):
         raise VerificationError(
-            f"the graph returns {len(outputs)} tensors, eager PyTorch {len(eager_outputs)}")
-    for index, (actual, wanted) in enumerate(zip(outputs, eager_outputs)):
+            f"the graph returns {len(outputs)} tensors, eager PyTorch {len(eager.samples)}")
+    for index, (actual, wanted) in enumerate(zip(outputs, eager.samples)):
         try:
-            _compare(actual, wanted.detach(), f"output {index}")
+            _compare(sample(actual), wanted, f"output {index}")
         except VerificationError as error:
             raise VerificationError(
                 f"the traced graph does not compute what the module computes when it runs ("
-                f"{error}; eager PyTorch's output on the same call): its code takes another "
-                f"path under tracing, such as a fast path for inference") from None
+                f"{error}; eager PyTorch's output on the same call, with the same draws): its "
+                "code takes another path under tracing, such as a fast path for inference, or "
+                "an op whose order eager's kernel chooses (`topk(sorted=False)`) reaches an "
+                "order-dependent result") from None
 
 
 class _Reshaping(fx.Interpreter):
