@@ -11,21 +11,23 @@ first call of a signature runs eagerly anyway; this keeps what it returned and t
 state it drew from, so that the built forward, fed the same draws, is compared with it.
 
 Each output is kept as an evenly strided sample of at most `SAMPLE` elements (a vocabulary
-head's logits are not held whole through a build: the first step's peak is issue 10's). A call
-that changed the module's state or its inputs in place (BatchNorm's running statistics, a power
-iteration's vectors) is not kept: the build sees the state after the call, from which a forward
-computes from other values than eager's did.
+head's logits are not held whole through a build: the first step's peak is issue 10's). The
+build reads the module's state as it is then, after the call: a buffer the call changed in place
+(BatchNorm's running statistics, a power iteration's vectors) is compared from a copy made
+before it (the module's buffers are copied if they take at most `BUFFER_BYTES`); a call that
+changed a parameter or an input in place, or a buffer not copied, is not compared.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 SAMPLE = 1 << 16
+BUFFER_BYTES = 64 << 20
 
 
 def sample(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,6 +40,11 @@ def sample(tensor: torch.Tensor) -> torch.Tensor:
 class EagerRecord:
     samples: list[torch.Tensor]  # per module output (flat tensor leaves), `sample` of it
     generators: list[tuple[torch.device, torch.Tensor]]  # each generator's state before it
+    state: dict[int, torch.Tensor]  # primal index -> its value before the call, where it changed
+
+    def primals(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The call's primals as the call found them."""
+        return [self.state.get(index, primal) for index, primal in enumerate(primals)]
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
@@ -53,27 +60,39 @@ class EagerRecord:
 
 
 class Watch:
-    """Taken just before the eager call: the generators' states and the versions of the tensors
-    it may change in place."""
+    """Taken just before the eager call: the generators' states, the versions of the tensors
+    it may change in place, and copies of the buffers among them; `outputs` takes what the
+    call returned, `record` says what the build compares with."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._tensors = list(tensors)
+    def __init__(self, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        self._tensors = [*state, *inputs]
         self._versions = [_version(tensor) for tensor in self._tensors]
+        buffers = {index: tensor for index, tensor in enumerate(state)
+                   if not isinstance(tensor, torch.nn.Parameter)}
+        small = sum(t.numel() * t.element_size() for t in buffers.values()) <= BUFFER_BYTES
+        self._copies = {index: tensor.detach().clone() for index, tensor in buffers.items()} \
+            if small else {}
         cuda = {tensor.device for tensor in self._tensors if tensor.device.type == "cuda"}
         self._generators = [(torch.device("cpu"), torch.get_rng_state())] + [
             (device, torch.cuda.get_rng_state(device)) for device in sorted(cuda, key=str)]
+        self._samples: list[torch.Tensor] = []
 
-    def changed(self) -> bool:
-        """Whether a tensor it watches changed in place since (in the call, or after it: a
-        parameter edited before the step's backward, when the build reads the state)."""
-        return any(_version(tensor) != version
-                   for tensor, version in zip(self._tensors, self._versions))
+    def outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Keep what the call returned (right after it: a caller may change it in place)."""
+        self._samples = [sample(output) for output in outputs]
 
-    def record(self, outputs: Sequence[torch.Tensor]) -> EagerRecord | None:
-        """What the call returned, or None if it changed a tensor in place."""
-        if self.changed():
-            return None
-        return EagerRecord([sample(output) for output in outputs], self._generators)
+    def record(self) -> EagerRecord | None:
+        """What the call returned and the state it started from, or None where a tensor that
+        was not copied changed in place since the call began (in it, or after it: a parameter
+        edited before the step's backward, whose build reads the state then)."""
+        state = {}
+        for index, (tensor, version) in enumerate(zip(self._tensors, self._versions)):
+            if _version(tensor) == version:
+                continue
+            if index not in self._copies:
+                return None
+            state[index] = self._copies[index]
+        return EagerRecord(self._samples, self._generators, state)
 
 def _version(tensor: torch.Tensor) -> int | None:
     """Its version counter (None for an inference-mode tensor, which has none and cannot be

@@ -507,7 +507,7 @@ class Runtime:
         set-up done once, as Hugging Face installing its output hooks at the first forward;
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
-        watch = Watch([*state.values(), *call.tensors])
+        watch = Watch(list(state.values()), call.tensors)
         result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
@@ -545,10 +545,10 @@ class Runtime:
                     device=device,
                     index_key=key,
                 )
-        eager = watch.record(tensors)
+        watch.outputs(tensors)
         if not signature.grad:
             try:
-                self._pair_for(signature, entry, None, primals, None, device, eager)
+                self._pair_for(signature, entry, None, primals, None, device, watch.record())
             except BuildFailed as failure:
                 return self._fall_back(signature, call, args, kwargs, str(failure), result,
                                        failure.where)
@@ -559,7 +559,7 @@ class Runtime:
         if not probed:
             return result
         probe = _FirstBackward(self, signature, entry, primals, len(roots), probed, device,
-                               eager, watch)
+                               watch)
         for k, root in zip(probed, behind_probe(probe, [roots[k] for k in probed])):
             roots[k] = root
         return self._written(template.rebuild(shared.remake(tensors, roots)))
@@ -1222,22 +1222,18 @@ class _FirstBackward:
 
     def __init__(self, runtime: Runtime, signature: Signature, entry: SignatureEntry,
                  primals: list[torch.Tensor], count: int, probed: list[int],
-                 device: torch.device, eager: EagerRecord | None, watch: Watch) -> None:
+                 device: torch.device, watch: Watch) -> None:
         self.runtime, self.signature, self.entry = runtime, signature, entry
         self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
-        self.count, self.probed, self.device = count, probed, device
-        self.eager, self.watch = eager, watch
+        self.count, self.probed, self.device, self.watch = count, probed, device, watch
 
     def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         cotangents: list[torch.Tensor | None] = [None] * self.count
         for index, grad in zip(self.probed, grads):
             cotangents[index] = grad
         mask = self.entry.aliasing.output_mask([c is not None for c in cotangents])
-        # The build reads the state as it is now: what eager returned is its result only if
-        # nothing changed it since.
-        eager = None if self.watch.changed() else self.eager
         self.runtime.first_backward(self.signature, self.entry, mask, self.primals,
-                                    tuple(cotangents), self.device, eager)
+                                    tuple(cotangents), self.device, self.watch.record())
 
 
 def _unsized(signature: Signature) -> Signature:

@@ -136,7 +136,7 @@ def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: E
     PyTorch ran and with the draws it drew, what eager returned (`eager_record.py`).
 
     `verify` holds ORT to the trace; this holds the trace to the module."""
-    primals = [p.detach() for p in primals]
+    primals = [p.detach() for p in eager.primals(primals)]
     env = pair.sizes(primals)
     with eager.replaying():
         draws = pair.draw(env, device)
