@@ -20,7 +20,8 @@ bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
 (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
 `masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`); `expm1` and
 `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
-near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`). Like
+near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`);
+`lgamma` and its derivatives, which ONNX lacks, into their series (`special.py`). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
