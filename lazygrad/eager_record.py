@@ -94,6 +94,7 @@ class Watch:
             state[index] = self._copies[index]
         return EagerRecord(self._samples, self._generators, state)
 
+
 def _version(tensor: torch.Tensor) -> int | None:
     """Its version counter (None for an inference-mode tensor, which has none and cannot be
     changed in place outside inference mode)."""

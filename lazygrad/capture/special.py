@@ -130,7 +130,7 @@ def _lifted(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _product(z: torch.Tensor) -> torch.Tensor:
-    """z (z + 1) ... (z + _LIFT - 1): at most 10^10-odd where it is read (z < _LIFT)."""
+    """z (z + 1) ... (z + _LIFT - 1): below 19!/9!, 3e11, where it is read (z < _LIFT)."""
     product = z
     for k in range(1, _LIFT):
         product = aten.mul.Tensor(product, aten.add.Tensor(z, k))
