@@ -788,14 +788,15 @@ def test_lgamma_digamma_and_trigamma_run_through_ort_with_eagers_values():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_lowered_gamma_functions_are_torchs_to_its_own_precision(dtype):
+def test_the_lowered_gamma_functions_are_exact_to_a_rounding(dtype):
     """Each lowering (`capture/special.py`), element by element, from -20 to 1e8, near the
     zeros and poles: within a float32 rounding of the larger of 1 and the value (float32), or
     1e-13 of it (float64: the reflection subtracts nearly equal numbers), judged by mpmath
     (which torch's sympy brings; torch's own float32 `digamma` is farther off near the negative
-    integers, and its float64 `polygamma(1, x)` 1e-9 off); torch's values at the infinities and
-    NaN, and where torch's kernel gives them. At negative integers torch's
-    `polygamma(1, x)` gives a finite number from a rounded sine, the lowering the pole's inf."""
+    integers, and its float64 `polygamma(1, x)` 1e-9 off). Where torch's kernel gives an
+    infinity or NaN (the poles, the infinities, NaN), the lowering gives the same; but at the
+    negative integers, where torch's `polygamma(1, x)` is a finite number from a rounded sine,
+    it gives the pole's inf."""
     import mpmath
 
     from lazygrad.capture import special

@@ -126,8 +126,9 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
     fw.recompile()
 
     if bw is not None:
-        tangents = _without_leaf_update_cotangents(
-            bw, [p for p in placeholders(bw) if p.name.startswith("tangents")], leaf_updates)
+        tangents = [p for p in placeholders(bw) if p.name.startswith("tangents")]
+        if leaf_updates and len(tangents) == len(masked) + leaf_updates:
+            tangents = _without_leaf_update_cotangents(bw, tangents, leaf_updates)
         if len(tangents) != len(masked):
             raise CaptureError(
                 f"the backward takes {len(tangents)} cotangents where {len(masked)} outputs "
@@ -267,9 +268,9 @@ class _Where(dict):
 
 def _without_leaf_update_cotangents(bw: fx.GraphModule, tangents: list[fx.Node],
                                     leaf_updates: int) -> list[fx.Node]:
-    """The backward's cotangents without the first `leaf_updates`, those of leaves that require
-    grad and the forward changed in place (so under no_grad: `Embedding(max_norm=...)`
-    renormalising its rows).
+    """The backward's cotangents without the first `leaf_updates` (AOTAutograd puts those of
+    changed inputs first), those of leaves that require grad and the forward changed in place
+    (so under no_grad: `Embedding(max_norm=...)` renormalising its rows).
 
     AOTAutograd gives such an input's new value a cotangent, which it adds to the input's
     gradient: the gradient that later uses of the new value send back through it. lazygrad
@@ -303,7 +304,8 @@ def _only_added(tangent: fx.Node) -> bool:
             return False
         other = user.args[1] if user.args[0] is tangent else user.args[0]
         seen = getattr(other, "meta", {}).get("val")
-        if value is None or seen is None or seen.shape != value.shape or seen.dtype != value.dtype:
+        if other is tangent or value is None or seen is None or seen.shape != value.shape \
+                or seen.dtype != value.dtype:
             return False
     return True
 
