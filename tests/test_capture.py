@@ -159,6 +159,36 @@ def test_an_embedding_with_max_norm_renorms_its_rows_and_trains_like_eager():
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 3, stats
 
 
+class ClampsItsWeight(torch.nn.Module):
+    """Gemma-3n's AltUp in small: in training, a weight clamped in place through `.data`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coefs = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        if self.training:
+            self.coefs.weight.data.clamp_(-0.1, 0.1)
+        return self.head(torch.tanh(self.coefs(x)))
+
+
+def test_a_weight_clamped_through_its_data_in_the_forward_trains_like_eager():
+    """Gemma-3n ran in parts ("the backward takes 3 cotangents where 1 outputs get one"): its
+    two layers' prediction coefficients are clamped in place each training call."""
+    torch.manual_seed(0)
+    eager = ClampsItsWeight()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (lazy, eager)]
+    for step in range(4):
+        _step(lazy, eager, (torch.randn(4, 8),), lambda o: o.square().sum(), f"step {step}",
+              optimizers)
+        _assert_params_equal(lazy, eager, f"after step {step}")
+    assert eager.coefs.weight.abs().max() < 0.2  # clamped at every step, then stepped
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 3, stats.reasons
+
+
 class DoublesItsInput(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
