@@ -241,6 +241,46 @@ def test_a_refused_trace_leaves_the_scripts_random_numbers_as_they_were(generato
     assert lazygrad.stats(lazy).breaks == 1
 
 
+class Reseeds(torch.nn.Module):
+    """A fixed augmentation: the forward reseeds torch's generator, then draws (or not: the
+    seed is for what the script draws next)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(p)
+        self.second = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        torch.manual_seed(123)
+        return self.second(self.drop(self.first(x)))
+
+
+@pytest.mark.parametrize("p", [0.5, 0.0])
+def test_a_forward_that_reseeds_torchs_generator_is_never_baked_in(p):
+    """No ORT step reseeds: every step after the first drew another Dropout mask than eager
+    (0.87 off, silently), and, with no draw in the module, left the generator elsewhere than
+    eager for the script's next draws. The trace that calls `torch.manual_seed` is refused (the
+    call recorded, not made): the module's own code runs eagerly, its Linears through ORT."""
+    torch.manual_seed(0)
+    eager = Reseeds(p)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    with pytest.warns(lazygrad.GraphBreakWarning, match=r"reseeds one \(torch.manual_seed\)"):
+        for step in range(4):
+            x = torch.randn(4, 8)
+            after = []
+            for model in (lazy, eager):
+                torch.manual_seed(step)
+                model.zero_grad(set_to_none=True)
+                model(x).square().sum().backward()
+                after.append(torch.rand(3))
+            assert torch.equal(after[0], after[1]), f"step {step}: the generator's state"
+            assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0
+    assert stats.parts["first"].hits > 0
+
+
 def _seeded_step_like_eager(lazy, eager, seed: int, x: torch.Tensor, what: str,
                             cotangent: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """One step of both models on `x` under the same seed, the backward of the output times

@@ -1,4 +1,5 @@
-"""Draws from Python's or NumPy's random generators while tracing: refused.
+"""Draws from Python's or NumPy's random generators while tracing, and reseeding torch's:
+refused.
 
 A trace runs the forward's Python once, so a draw made there (teacher forcing decided by
 `random.random() < ratio` in a seq2seq model's forward, a layer skipped on `np.random.uniform()`)
@@ -16,7 +17,12 @@ or eagerly:
   traced modules hold or the user's code reads as a global: their state before and after the
   trace is compared. The modules traced are a copy of the model's (`Runtime`), so the
   training thread's draws from those do not count; a global one drawn from by another thread
-  while the trace runs is refused too (eager, not wrong).
+  while the trace runs is refused too (eager, not wrong);
+- torch's own generators reseeded (`torch.manual_seed`, `torch.seed`, their `torch.random` and
+  `torch.cuda` twins; a fixed augmentation, Reformer's layers): no ORT step reseeds, so the
+  draws after it were other than eager's, and the generator was left elsewhere (a Dropout
+  after `torch.manual_seed(123)` in the forward: 0.87 off at every ORT step, silently). On
+  the tracing thread the call is recorded and not made.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from lazygrad.capture.errors import CaptureError
 from lazygrad.code_globals import names_read
 
 _STATE = {"getstate", "setstate", "seed", "get_state", "set_state"}
+_TORCH_RESEEDS = ("manual_seed", "seed", "manual_seed_all", "seed_all")
 
 
 @contextlib.contextmanager
@@ -50,6 +57,9 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
     for namespace, name, label in _global_draws(read, owners):
         namespace[name] = _recording(namespace[name], label, thread, drawn)
         swapped.append((namespace, name, namespace[name].__wrapped__))
+    for namespace, name, label in _torch_reseeds(read):
+        namespace[name] = _refused(namespace[name], label, thread, drawn)
+        swapped.append((namespace, name, namespace[name].__wrapped__))
     generators = _own_generators(module, read, owners)
     states = [_state_of(generator) for _, generator in generators]
     try:
@@ -61,8 +71,9 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
                  if _state_of(generator) != state)
     if drawn:
         raise CaptureError(
-            f"the forward draws from a random generator ({', '.join(sorted(set(drawn)))}): "
-            "a graph would replay the trace's draw at every step, where eager draws at each call"
+            f"the forward draws from a random generator, or reseeds one "
+            f"({', '.join(sorted(set(drawn)))}): a graph would replay the trace's draw at every "
+            "step, or reseed nothing, where eager draws (or reseeds) at each call"
         )
 
 
@@ -76,6 +87,21 @@ def _global_draws(read: list[tuple[Mapping, str, str]],
     for namespace, name, label in named + read:
         if type(namespace) is dict and name not in _STATE \
                 and id(getattr(namespace.get(name), "__self__", None)) in owners:
+            found.setdefault((id(namespace), name), (namespace, name, label))
+    return iter(found.values())
+
+
+def _torch_reseeds(read: list[tuple[Mapping, str, str]]) -> Iterator[tuple[dict, str, str]]:
+    """(namespace, name, label) of torch's functions that reseed its generators, in its modules
+    (`torch.manual_seed` is `torch.random.manual_seed`: both names) and among the user code's
+    globals (`read`), each once."""
+    modules = (torch, torch.random, torch.cuda)
+    named = [(vars(m), name, f"{m.__name__}.{name}") for m in modules for name in _TORCH_RESEEDS
+             if callable(vars(m).get(name))]
+    functions = {id(namespace[name]) for namespace, name, _ in named}
+    found: dict[tuple[int, str], tuple[dict, str, str]] = {}
+    for namespace, name, label in named + read:
+        if type(namespace) is dict and id(namespace.get(name)) in functions:
             found.setdefault((id(namespace), name), (namespace, name, label))
     return iter(found.values())
 
@@ -142,6 +168,20 @@ def _recording(function: Callable[..., Any], name: str, thread: int,
             return function(*args, **kwargs)
         drawn.append(name)
         return getattr(copy.deepcopy(function.__self__), function.__name__)(*args, **kwargs)
+
+    recorded.__wrapped__ = function  # type: ignore[attr-defined]
+    return recorded
+
+
+def _refused(function: Callable[..., Any], name: str, thread: int,
+             drawn: list[str]) -> Callable[..., Any]:
+    """`function`, recording a call from `thread` instead of making it: the trace that is to be
+    refused leaves torch's generators as they were."""
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread:
+            return function(*args, **kwargs)
+        drawn.append(name)
+        return None
 
     recorded.__wrapped__ = function  # type: ignore[attr-defined]
     return recorded
