@@ -20,11 +20,12 @@ changed a parameter or an input in place, or a buffer not copied, is not compare
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
+
+from lazygrad import generators
 
 SAMPLE = 1 << 16
 BUFFER_BYTES = 64 << 20
@@ -39,24 +40,17 @@ def sample(tensor: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class EagerRecord:
     samples: list[torch.Tensor]  # per module output (flat tensor leaves), `sample` of it
-    generators: list[tuple[torch.device, torch.Tensor]]  # each generator's state before it
+    states: list[tuple[torch.device, torch.Tensor]]  # each generator's state before the call
     state: dict[int, torch.Tensor]  # primal index -> its value before the call, where it changed
 
     def primals(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The call's primals as the call found them."""
         return [self.state.get(index, primal) for index, primal in enumerate(primals)]
 
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        """The generators where the call found them, and back where they are afterwards."""
-        cuda = [device for device, _ in self.generators if device.type == "cuda"]
-        with torch.random.fork_rng(devices=cuda):
-            for device, state in self.generators:
-                if device.type == "cuda":
-                    torch.cuda.set_rng_state(state, device)
-                else:
-                    torch.set_rng_state(state)
-            yield
+    def generator(self, device: torch.device) -> torch.Generator:
+        """A generator on `device` where torch's was when the call began (a copy: torch's stays
+        where it is, `generators.py`)."""
+        return generators.copy_of(device, dict(self.states)[device])
 
 
 class Watch:
@@ -72,9 +66,9 @@ class Watch:
         small = sum(t.numel() * t.element_size() for t in buffers.values()) <= BUFFER_BYTES
         self._copies = {index: tensor.detach().clone() for index, tensor in buffers.items()} \
             if small else {}
-        cuda = {tensor.device for tensor in self._tensors if tensor.device.type == "cuda"}
-        self._generators = [(torch.device("cpu"), torch.get_rng_state())] + [
-            (device, torch.cuda.get_rng_state(device)) for device in sorted(cuda, key=str)]
+        devices = {torch.device("cpu")} | {tensor.device for tensor in self._tensors}
+        self._generators = [(device, generators.state(device))
+                            for device in sorted(devices, key=str)]
         self._samples: list[torch.Tensor] = []
 
     def outputs(self, outputs: Sequence[torch.Tensor]) -> None:

@@ -76,8 +76,10 @@ class GraphPair:
             return None
         return {position: symbols.evaluate(code, env) for position, code in self.graphs.sized}
 
-    def draw(self, env: dict[str, int], device: torch.device) -> list[torch.Tensor]:
-        return [draw.sample(env, device) for draw in self.graphs.draws]
+    def draw(self, env: dict[str, int], device: torch.device,
+             generator: torch.Generator | None = None) -> list[torch.Tensor]:
+        """A step's draws, from `generator` (None: torch's default one on `device`)."""
+        return [draw.sample(env, device, generator) for draw in self.graphs.draws]
 
     # ---- running -----------------------------------------------------------------------------
 

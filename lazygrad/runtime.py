@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lazygrad import attach, builder, clock, disk_cache, turns
+from lazygrad import attach, builder, clock, disk_cache, generators, turns
 from lazygrad.capture import (
     Aliasing,
     Captured,
@@ -65,7 +65,7 @@ from lazygrad.signature import (
     sizes_for,
 )
 from lazygrad.stats import EntryStats, Stats
-from lazygrad.step import Step, set_generator_state
+from lazygrad.step import Step
 from lazygrad.verify import VerificationError, verify, verify_like_eager
 
 Mask = tuple[bool, ...]
@@ -917,7 +917,7 @@ class Runtime:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 torch.enable_grad(), builder.autocast(signature.autocast), unchanged(self.module):
             if generator is not None:
-                set_generator_state(device, generator)
+                generators.set_state(device, generator)
             roots = forward(*inputs)  # the roots first (`Functional`): a cotangent each
             given = [(r, c) for r, c in zip(roots, cotangents) if c is not None]
             grads = torch.autograd.grad(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from lazygrad import generators
 from lazygrad.graph_pair import GraphPair
 
 # (mask, primals, cotangents) -> the pair of that mask, found or built; None if it cannot be
@@ -63,7 +64,7 @@ class Step:
         pair = self.pair
         draws: list[torch.Tensor] = []
         if pair.graphs.draws:
-            self._generator_state = generator_state(self.device)
+            self._generator_state = generators.state(self.device)
             draws = pair.draw(self.env, self.device)
         results = pair.forward(primals, draws, self.device)
         roots = pair.roots(results, self.env)
@@ -150,9 +151,8 @@ class Step:
         if len(kept) == self._draw_count:
             return kept
         assert self._generator_state is not None
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            set_generator_state(self.device, self._generator_state)
-            return self.pair.draw(self.env, self.device)
+        return self.pair.draw(self.env, self.device,
+                              generators.copy_of(self.device, self._generator_state))
 
     def _results(self, kept: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The forward results the backward reads, at their indices (None elsewhere)."""
@@ -162,16 +162,3 @@ class Step:
             results[index] = tensor
         return results
 
-
-def generator_state(device: torch.device) -> torch.Tensor:
-    """The state of the generator that draws on `device` (to replay a step's draws)."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)

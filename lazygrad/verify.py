@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from lazygrad import heap, ties
+from lazygrad import generators, heap, ties
 from lazygrad.capture import Captured, Feed
 from lazygrad.eager_record import EagerRecord, sample
 from lazygrad.graph_pair import GraphPair
@@ -62,8 +62,9 @@ def verify(
     tidy = captured.tidy
     primals = [p.detach() for p in primals]
     env = pair.sizes(primals)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        draws = pair.draw(env, device)
+    # From a copy of torch's generator, as every draw of the builder thread (`generators.py`).
+    found = generators.state(device)
+    draws = pair.draw(env, device, generators.copy_of(device, found))
     values: dict[str, Sequence] = {"primal": primals, "random": draws}
     # ORT's forward results first, then torch's FX forward, compared result by result as torch
     # makes them: a result torch no longer needs is freed, and ORT's once compared, unless the
@@ -87,11 +88,12 @@ def verify(
         return
     outputs = pair.roots_in_mask(results, env)
     if cotangents is None:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            cotangents = [
-                torch.randn_like(o) if o is not None and o.is_floating_point() else None
-                for o in outputs
-            ]
+        drawing = generators.copy_of(device, found)
+        cotangents = [
+            torch.randn(o.shape, dtype=o.dtype, device=o.device, generator=drawing)
+            if o is not None and o.is_floating_point() else None
+            for o in outputs
+        ]
     # Contiguous, as ORT is fed them. The trace's had its outputs' layouts, which a view in
     # the FX backward may rely on: torch runs it with views as reshapes (`_Reshaping`).
     cotangents = [
@@ -120,8 +122,7 @@ def verify(
 
     def float64_backward() -> Sequence[torch.Tensor]:
         """The backward on a float64 forward's results (ORT's were handed over)."""
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            draws = pair.draw(env, device)  # the same draws: the generator is where it was
+        draws = pair.draw(env, device, generators.copy_of(device, found))  # the same draws
         values = {"primal": primals, "random": draws, "cotangent": cotangents}
         values["saved"] = _Float64(tidy.forward).run(*_feeds(tidy.forward_feeds, values))
         return _Float64(tidy.backward).run(*_feeds(tidy.backward_feeds, values))
@@ -138,8 +139,7 @@ def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: E
     `verify` holds ORT to the trace; this holds the trace to the module."""
     primals = [p.detach() for p in eager.primals(primals)]
     env = pair.sizes(primals)
-    with eager.replaying():
-        draws = pair.draw(env, device)
+    draws = pair.draw(env, device, eager.generator(device))
     outputs = pair.module_outputs(pair.roots(pair.forward(primals, draws, device), env),
                                   primals, env)
     if len(outputs) != len(eager.samples):

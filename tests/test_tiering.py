@@ -361,3 +361,36 @@ def test_a_process_that_ends_while_a_build_runs_exits_cleanly(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "stepped" in done.stdout and "Traceback" not in done.stderr
     assert "terminate called" not in done.stderr
+
+
+class DrawsBesideItsTrace(torch.nn.Module):
+    """While its forward is traced, another thread draws from torch's generator, as the
+    training thread does while a build runs (its eager steps' Dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            thread = threading.Thread(target=lambda: torch.rand(3))
+            thread.start()
+            thread.join()
+        return self.linear(x)
+
+
+def test_a_build_never_takes_back_the_draws_made_beside_it():
+    """AOTAutograd sets torch's generators back, after a trace, to where it found them: on the
+    builder thread that took back the draws the training thread made meanwhile, and from the
+    build's end on a Dropout model's numbers were no longer eager's (every step after it,
+    under the same seed). Now the trace leaves the generators alone, and the builder thread
+    draws from copies of them (`generators.py`)."""
+    lazy = lazygrad.lazy(DrawsBesideItsTrace(), wait_for_builds=True)
+    x = torch.randn(2, 4)
+    torch.manual_seed(5)
+    lazy(x).sum().backward()  # eager; its build runs here: 3 numbers drawn beside each run
+    got = torch.rand(1)  # of the forward in the trace
+    assert lazygrad.stats(lazy).builds == 1
+    torch.manual_seed(5)
+    drawn = (torch.rand(60) == got).nonzero().flatten().tolist()
+    assert len(drawn) == 1 and drawn[0] > 0 and drawn[0] % 3 == 0, drawn  # 0: taken back

@@ -56,26 +56,32 @@ class Draw:
     params: tuple[float, ...] = ()
     strides: tuple[str, ...] = ()  # () for a new contiguous tensor
 
-    def sample(self, env: dict[str, int], device: torch.device) -> torch.Tensor:
+    def sample(self, env: dict[str, int], device: torch.device,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """The draw, from `generator` (None: torch's default one on `device`)."""
         shape = [int(symbols.evaluate(size, env)) for size in self.shape]
         dtype = getattr(torch, self.dtype)
         if self.kind == "randperm":
-            return torch.randperm(shape[0], dtype=dtype, device=device)
+            return torch.randperm(shape[0], dtype=dtype, device=device, generator=generator)
         strides = [int(symbols.evaluate(stride, env)) for stride in self.strides]
         tensor = (torch.empty_strided(shape, strides, dtype=dtype, device=device) if strides
                   else torch.empty(shape, dtype=dtype, device=device))
-        return _FILLS[self.kind](tensor, *self.params).contiguous()
+        return _FILLS[self.kind](tensor, *self.params, generator=generator).contiguous()
 
 
 # In place, as eager's random factories fill a new tensor (`rand` is `empty().uniform_(0, 1)`).
 _FILLS = {
-    "rand": lambda tensor: tensor.uniform_(0, 1),
-    "randn": lambda tensor: tensor.normal_(0, 1),
-    "uniform": lambda tensor, low, high: tensor.uniform_(low, high),
-    "normal": lambda tensor, mean, std: tensor.normal_(mean, std),
-    "exponential": lambda tensor, rate: tensor.exponential_(rate),
-    "bernoulli": lambda tensor, p: tensor.bernoulli_(p),
-    "randint": lambda tensor, low, high: tensor.random_(int(low), int(high)),
+    "rand": lambda tensor, generator: tensor.uniform_(0, 1, generator=generator),
+    "randn": lambda tensor, generator: tensor.normal_(0, 1, generator=generator),
+    "uniform": lambda tensor, low, high, generator: tensor.uniform_(low, high,
+                                                                    generator=generator),
+    "normal": lambda tensor, mean, std, generator: tensor.normal_(mean, std,
+                                                                  generator=generator),
+    "exponential": lambda tensor, rate, generator: tensor.exponential_(rate,
+                                                                       generator=generator),
+    "bernoulli": lambda tensor, p, generator: tensor.bernoulli_(p, generator=generator),
+    "randint": lambda tensor, low, high, generator: tensor.random_(int(low), int(high),
+                                                                   generator=generator),
 }
 
 # op -> (draw kind, its parameters from the op's arguments): the node becomes the draw itself

@@ -103,6 +103,24 @@ def compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def generators_left_alone() -> Iterator[None]:
+    """Inside, AOTAutograd leaves torch's generators alone: it saves their states before a
+    trace and sets them back after it (`preserve_rng_state`), which, on the builder thread,
+    took back every draw the training thread made while the trace ran (its eager steps'
+    Dropout), and the training's numbers were no longer eager's from then on. A trace on fake
+    tensors draws nothing from them; a forward that sets them is refused
+    (`python_random.py`). One trace at a time holds this."""
+    import torch._functorch.aot_autograd as aot_autograd
+
+    saved = aot_autograd.preserve_rng_state
+    aot_autograd.preserve_rng_state = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        aot_autograd.preserve_rng_state = saved
+
+
+@contextlib.contextmanager
 def recurrent_layers_as_eager() -> Iterator[None]:
     """Inside, torch's decompositions of LSTM, GRU and RNN compute what eager's kernels do:
 

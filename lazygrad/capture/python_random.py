@@ -18,11 +18,15 @@ or eagerly:
   trace is compared. The modules traced are a copy of the model's (`Runtime`), so the
   training thread's draws from those do not count; a global one drawn from by another thread
   while the trace runs is refused too (eager, not wrong);
-- torch's own generators reseeded (`torch.manual_seed`, `torch.seed`, their `torch.random` and
-  `torch.cuda` twins; a fixed augmentation, Reformer's layers): no ORT step reseeds, so the
-  draws after it were other than eager's, and the generator was left elsewhere (a Dropout
-  after `torch.manual_seed(123)` in the forward: 0.87 off at every ORT step, silently). On
-  the tracing thread the call is recorded and not made.
+- torch's own generators reseeded or set (`torch.manual_seed`, `torch.seed`,
+  `torch.set_rng_state`, their `torch.random` and `torch.cuda` twins; a fixed augmentation,
+  Reformer's layers, `torch.random.fork_rng`, a reversible layer whose backward replays its
+  forward's Dropout from the state it saved): no ORT step reseeds or sets a state, so the draws
+  after it were other than eager's, and the generator was left elsewhere (a Dropout after
+  `torch.manual_seed(123)` in the forward: 0.87 off at every ORT step; the reversible layer's
+  weight gradient 1.2-1.5 off, its replayed mask drawn anew: both silently). On the tracing
+  thread the call is recorded and not made (AOTAutograd's own setting back of the generators
+  after a trace is off, `private.generators_left_alone`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from lazygrad.capture.errors import CaptureError
 from lazygrad.code_globals import names_read
 
 _STATE = {"getstate", "setstate", "seed", "get_state", "set_state"}
-_TORCH_RESEEDS = ("manual_seed", "seed", "manual_seed_all", "seed_all")
+_TORCH_SETTERS = ("manual_seed", "seed", "manual_seed_all", "seed_all", "set_rng_state",
+                  "set_rng_state_all")
 
 
 @contextlib.contextmanager
@@ -57,7 +62,7 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
     for namespace, name, label in _global_draws(read, owners):
         namespace[name] = _recording(namespace[name], label, thread, drawn)
         swapped.append((namespace, name, namespace[name].__wrapped__))
-    for namespace, name, label in _torch_reseeds(read):
+    for namespace, name, label in _torch_setters(read):
         namespace[name] = _refused(namespace[name], label, thread, drawn)
         swapped.append((namespace, name, namespace[name].__wrapped__))
     generators = _own_generators(module, read, owners)
@@ -91,12 +96,12 @@ def _global_draws(read: list[tuple[Mapping, str, str]],
     return iter(found.values())
 
 
-def _torch_reseeds(read: list[tuple[Mapping, str, str]]) -> Iterator[tuple[dict, str, str]]:
-    """(namespace, name, label) of torch's functions that reseed its generators, in its modules
-    (`torch.manual_seed` is `torch.random.manual_seed`: both names) and among the user code's
-    globals (`read`), each once."""
+def _torch_setters(read: list[tuple[Mapping, str, str]]) -> Iterator[tuple[dict, str, str]]:
+    """(namespace, name, label) of torch's functions that reseed or set its generators, in its
+    modules (`torch.manual_seed` is `torch.random.manual_seed`: both names) and among the user
+    code's globals (`read`), each once."""
     modules = (torch, torch.random, torch.cuda)
-    named = [(vars(m), name, f"{m.__name__}.{name}") for m in modules for name in _TORCH_RESEEDS
+    named = [(vars(m), name, f"{m.__name__}.{name}") for m in modules for name in _TORCH_SETTERS
              if callable(vars(m).get(name))]
     functions = {id(namespace[name]) for namespace, name, _ in named}
     found: dict[tuple[int, str], tuple[dict, str, str]] = {}

@@ -224,6 +224,7 @@ def trace(
             # as eager computes them (`private.recurrent_layers_as_eager`); fused ops as what
             # they compute (`lowerings.COMPOSITE`).
             with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
+                    private.generators_left_alone(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
                     private.recurrent_layers_as_eager(), \
                     private.composite_kernels(lowerings.COMPOSITE), \
