@@ -50,7 +50,7 @@ class EagerRecord:
     def generator(self, device: torch.device) -> torch.Generator:
         """A generator on `device` where torch's was when the call began (a copy: torch's stays
         where it is, `generators.py`)."""
-        return generators.copy_of(device, dict(self.states)[device])
+        return generators.copy_of(device, dict(self.states).get(device))
 
 
 class Watch:
