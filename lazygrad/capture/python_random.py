@@ -59,12 +59,13 @@ def refusing_draws(module: torch.nn.Module) -> Iterator[None]:
     read = list(names_read(module))  # the user's code's names, walked once
     owners = {id(_owner(m)) for m in _modules()}
     swapped: list[tuple[dict, str, Callable[..., Any]]] = []
-    for namespace, name, label in _global_draws(read, owners):
-        namespace[name] = _recording(namespace[name], label, thread, drawn)
-        swapped.append((namespace, name, namespace[name].__wrapped__))
-    for namespace, name, label in _torch_setters(read):
-        namespace[name] = _refused(namespace[name], label, thread, drawn)
-        swapped.append((namespace, name, namespace[name].__wrapped__))
+    watched = [(namespace, name, label, _from_a_copy(namespace[name]))
+               for namespace, name, label in _global_draws(read, owners)]
+    watched += [(namespace, name, label, _not_made)
+                for namespace, name, label in _torch_setters(read)]
+    for namespace, name, label, instead in watched:
+        swapped.append((namespace, name, namespace[name]))
+        namespace[name] = _recording(namespace[name], label, thread, drawn, instead)
     generators = _own_generators(module, read, owners)
     states = [_state_of(generator) for _, generator in generators]
     try:
@@ -164,29 +165,26 @@ def _owner(module: ModuleType) -> object:
     return module.mtrand._rand  # type: ignore[attr-defined]
 
 
-def _recording(function: Callable[..., Any], name: str, thread: int,
-               drawn: list[str]) -> Callable[..., Any]:
-    """`function`, recording a call from `thread`, which draws from a copy of the generator:
-    the trace that is to be refused leaves the user's stream of numbers as it was."""
+def _recording(function: Callable[..., Any], name: str, thread: int, drawn: list[str],
+               instead: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, where a call from `thread` is recorded in `drawn` and `instead` runs in its
+    place (so the trace that is to be refused leaves the user's generators as they were);
+    other threads' calls are the function's."""
     def recorded(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread:
             return function(*args, **kwargs)
         drawn.append(name)
-        return getattr(copy.deepcopy(function.__self__), function.__name__)(*args, **kwargs)
+        return instead(*args, **kwargs)
 
     recorded.__wrapped__ = function  # type: ignore[attr-defined]
     return recorded
 
 
-def _refused(function: Callable[..., Any], name: str, thread: int,
-             drawn: list[str]) -> Callable[..., Any]:
-    """`function`, recording a call from `thread` instead of making it: the trace that is to be
-    refused leaves torch's generators as they were."""
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != thread:
-            return function(*args, **kwargs)
-        drawn.append(name)
-        return None
+def _from_a_copy(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The draw from a copy of the generator the bound method `function` draws from."""
+    return lambda *args, **kwargs: getattr(copy.deepcopy(function.__self__),
+                                           function.__name__)(*args, **kwargs)
 
-    recorded.__wrapped__ = function  # type: ignore[attr-defined]
-    return recorded
+
+def _not_made(*args: Any, **kwargs: Any) -> None:
+    """A reseeding of torch's generators, not made."""
