@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from lazygrad import generators
+from lazygrad.code_globals import version_of
 
 SAMPLE = 1 << 16
 BUFFER_BYTES = 64 << 20
@@ -60,7 +61,7 @@ class Watch:
 
     def __init__(self, state: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         self._tensors = [*state, *inputs]
-        self._versions = [_version(tensor) for tensor in self._tensors]
+        self._versions = [version_of(tensor) for tensor in self._tensors]
         buffers = {index: tensor for index, tensor in enumerate(state)
                    if not isinstance(tensor, torch.nn.Parameter)}
         small = sum(t.numel() * t.element_size() for t in buffers.values()) <= BUFFER_BYTES
@@ -81,18 +82,10 @@ class Watch:
         edited before the step's backward, whose build reads the state then)."""
         state = {}
         for index, (tensor, version) in enumerate(zip(self._tensors, self._versions)):
-            if _version(tensor) == version:
+            if version_of(tensor) == version:
                 continue
             if index not in self._copies:
                 return None
             state[index] = self._copies[index]
         return EagerRecord(self._samples, self._generators, state)
 
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """Its version counter (None for an inference-mode tensor, which has none and cannot be
-    changed in place outside inference mode)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return None

@@ -17,6 +17,7 @@ that it stays exact for large x; the poles are torch's values (+inf for `lgamma`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -131,17 +132,19 @@ def _lifted(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _product(z: torch.Tensor) -> torch.Tensor:
     """z (z + 1) ... (z + _LIFT - 1): below 19!/9!, 3e11, where it is read (z < _LIFT)."""
-    product = z
-    for k in range(1, _LIFT):
-        product = aten.mul.Tensor(product, aten.add.Tensor(z, k))
-    return product
+    return _fold(z, lambda term: term, aten.mul.Tensor)
 
 
-def _sum(z: torch.Tensor, term: object) -> torch.Tensor:
+def _sum(z: torch.Tensor, term: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """term(z) + term(z + 1) + ... + term(z + _LIFT - 1)."""
-    total = term(z)  # type: ignore[operator]
+    return _fold(z, term, aten.add.Tensor)
+
+
+def _fold(z: torch.Tensor, term: Callable[[torch.Tensor], torch.Tensor],
+          combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    total = term(z)
     for k in range(1, _LIFT):
-        total = aten.add.Tensor(total, term(aten.add.Tensor(z, k)))  # type: ignore[operator]
+        total = combine(total, term(aten.add.Tensor(z, k)))
     return total
 
 
