@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIGS = ("eager", "all", "predict", "recompute")  # lazygrad's policies; "predict" is default
 DEFAULT = "predict"
+LAYERS = "predict+layers"  # the default policy with layer-wise recomputation (probe_train)
 LOOPS = ("keep", "del")
 MIB = 2**20
 MAX_STEPS = 40  # a lazy loop's steps at most (see `probe_train`)
@@ -203,7 +204,8 @@ def probe_train(
     torch.manual_seed(0)
     model = models.BertPretraining(bert)
     if lazy:
-        model = lazygrad.lazy(model, policy=config,
+        policy, _, layers = config.partition("+")  # "predict+layers": recompute_layers
+        model = lazygrad.lazy(model, policy=policy, recompute_layers=layers == "layers",
                               **({} if segments is None else {"segments": segments}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids, mlm_labels, nsp_labels = models.bert_batch(bert, batch=batch, seq=shape.seq)
@@ -430,7 +432,12 @@ def _pair(keep: float | None, drop: float | None, spec: str) -> str:
 
 
 def label(config: str) -> str:
-    return config if config == "eager" else f'lazygrad "{config}"'
+    """A config's name in tables: "eager", a lazygrad policy, or policy+layers (the policy
+    with `recompute_layers=True`)."""
+    if config == "eager":
+        return config
+    policy, _, layers = config.partition("+")
+    return f'lazygrad "{policy}"' + (", recompute_layers" if layers else "")
 
 
 def _grid(header: Sequence[str], rows: Sequence[Sequence[str]], text: Sequence[int] = (0,)) -> str:

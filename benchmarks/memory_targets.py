@@ -2,20 +2,22 @@
 
 The full `python -m benchmarks.memory` run (every policy, both loops, batch searches in cold
 processes) takes over an hour now that a lazy loop runs until ORT serves steady steps. This
-measures the targets' figures (about 45 minutes; `--no-batches`: the peaks alone, 15):
+measures the targets' figures (about an hour; `--no-batches`: the peaks alone, 25 minutes):
 
-- Peaks: workloads A and B, keep and del loops, eager against lazygrad's default policy, each a
-  fresh process (`memory.run_fresh`, default allocator) of 4 steps (lazy loops run on until ORT
-  has served steps). Lazygrad runs twice on one disk cache: "cold" (empty: the build, trace,
+- Peaks: workloads A and B, keep and del loops, eager against lazygrad's default policy, with
+  and without `recompute_layers=True` (layer-wise recomputation: one more forward of each layer
+  in the backward for a stash of layer inputs, capture/layers.py), each a fresh process
+  (`memory.run_fresh`, default allocator) of 4 steps (lazy loops run on until ORT has served
+  steps). Each lazygrad config runs twice on one disk cache: "cold" (empty: the build, trace,
   export and check, runs in the process, beside eager steps) and "warm" (a second process of the
   same training: its graphs come from the disk index, so no build runs in it).
 - Largest batch within eager's batch-16 peak (keep loop), bisected, every probe a fresh process
-  whose whole-process peak is compared with that budget: eager, lazygrad's default policy and
-  `policy="all"` (ORTModule's pessimistic stash). Lazygrad's probes run warm, on the disk cache a
-  batch-16 training filled whose last step was at batch 15: the batch size became a symbol there,
-  and the disk index keeps it so, so a process at another batch is served by those graphs from
-  its first step, as a user's next run is after a first one whose batch size varied (the cold
-  first run is the peaks' "cold" column).
+  whose whole-process peak is compared with that budget: eager, lazygrad's default policy (with
+  and without `recompute_layers`) and `policy="all"` (ORTModule's pessimistic stash). Lazygrad's
+  probes run warm, on the disk cache a batch-16 training filled whose last step was at batch 15:
+  the batch size became a symbol there, and the disk index keeps it so, so a process at another
+  batch is served by those graphs from its first step, as a user's next run is after a first
+  one whose batch size varied (the cold first run is the peaks' "cold" column).
 
 Prints JSON lines and writes `results/memory-targets.md`.
 """
@@ -31,7 +33,8 @@ import tempfile
 from benchmarks import memory
 
 STEPS = 4
-SEARCHED = ("eager", memory.DEFAULT, "all")
+SEARCHED = ("eager", memory.DEFAULT, memory.LAYERS, "all")
+LAZY = {"": memory.DEFAULT, "layers ": memory.LAYERS}  # the peaks' lazygrad configs
 HIGH = {"A": 48, "B": 32}  # a batch assumed not to fit the budget
 PROBES = 4
 
@@ -82,35 +85,37 @@ def batch_rows(peaks: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
-    parser.add_argument("--no-batches", action="store_true", help="the peaks alone (15 min)")
+    parser.add_argument("--no-batches", action="store_true", help="the peaks alone (25 min)")
     args = parser.parse_args(argv)
     peaks = {}
     for workload in ("A", "B"):
         batch = memory.WORKLOADS[workload].batch
         for loop in ("keep", "del"):
-            cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
             found = {"eager": peak(workload, "eager", batch, loop).peak_mib}
-            for kind in ("cold", "warm"):
-                run = peak(workload, memory.DEFAULT, batch, loop, cache)
-                found[kind] = run.peak_mib
-                found[f"{kind} first ORT step"] = run.first_served
+            for name, config in LAZY.items():
+                cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
+                for kind in ("cold", "warm"):
+                    run = peak(workload, config, batch, loop, cache)
+                    found[f"{name}{kind}"] = run.peak_mib
+                    found[f"{name}{kind} first ORT step"] = run.first_served
             peaks[(workload, loop)] = found
             print(json.dumps({"workload": workload, "loop": loop, **found}), flush=True)
     lines = [
         "# Issue 10's targets: whole-process peak, cold and warm disk cache",
         "",
         f"`python -m benchmarks.memory_targets`, {datetime.date.today()}, load average "
-        f"{os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager); default policy.",
+        f"{os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager); default policy, and with "
+        "`recompute_layers=True`.",
         "",
-        "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache "
+        "| recompute_layers, cold | recompute_layers, warm |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (workload, loop), found in peaks.items():
         eager = found["eager"]
-        lines.append(
-            f"| {workload} | {loop} | {eager:.0f} | {found['cold']:.0f} "
-            f"({found['cold'] / eager:.2f}x) | {found['warm']:.0f} ({found['warm'] / eager:.2f}x) |"
-        )
+        cells = [f"{found[f'{name}{kind}']:.0f} ({found[f'{name}{kind}'] / eager:.2f}x)"
+                 for name in LAZY for kind in ("cold", "warm")]
+        lines.append(f"| {workload} | {loop} | {eager:.0f} | " + " | ".join(cells) + " |")
     if not args.no_batches:
         lines += ["", "Largest batch within eager's batch-16 peak (keep loop; lazygrad warm):", "",
                   *batch_rows(peaks)]

@@ -3,7 +3,8 @@
 Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
 median over rounds of lazygrad's step over eager's in the same round), after each model's
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
-(capture/peephole.py) and with ORT's CPU memory arena (session.py), so each one's effect is
+(capture/peephole.py), with ORT's CPU memory arena (session.py) and with layer-wise
+recomputation (`recompute_layers`, capture/layers.py: its cost), so each one's effect is
 measured in the same rounds as the rest, under the same load. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
 process CPU time (user + system, all threads) is recorded too: the work a step does, which
@@ -28,6 +29,7 @@ from lazygrad.capture import peephole
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, no peephole": (("peephole",), {}),
     "lazygrad, arena": ((), {"arena": True}),
+    "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
 
 

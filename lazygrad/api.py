@@ -26,6 +26,7 @@ def lazy(target: M, /) -> M: ...
 def lazy(
     *, policy: str = "predict", cache_size: int = 64, strict: bool = False,
     wait_for_builds: bool | None = None, segments: int = SEGMENTS, arena: bool = False,
+    recompute_layers: bool = False,
 ) -> Callable[[Any], Any]: ...
 
 
@@ -39,6 +40,7 @@ def lazy(
     wait_for_builds: bool | None = None,
     segments: int = SEGMENTS,
     arena: bool = False,
+    recompute_layers: bool = False,
 ) -> Any:
     """Route a module's calls through lazygrad's runtime.
 
@@ -61,9 +63,13 @@ def lazy(
     steps about 10% faster (13-18% on a deeper model), at the same whole-process peak on a
     single input shape, but up to 1.9x the peak when shapes and grad masks vary
     (session.py has the figures). By default ORT allocates as torch does.
+    recompute_layers: the forward keeps only what enters each of the model's repeated layers
+    (the children of a ModuleList or Sequential that repeat), and the backward recomputes a
+    layer's activations just before its backward, as activation checkpointing does: one more
+    forward of each layer for a smaller stash (capture/layers.py). Same gradients.
     """
     options = Options(policy=policy, cache_size=cache_size, strict=strict, segments=segments,
-                      arena=arena)
+                      arena=arena, recompute_layers=recompute_layers)
     if wait_for_builds is not None:
         options = dataclasses.replace(options, wait_for_builds=wait_for_builds)
 

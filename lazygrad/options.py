@@ -21,6 +21,7 @@ class Options:
     strict: bool = False
     segments: int = SEGMENTS
     arena: bool = False  # ORT's CPU memory arena (session.py: faster, more memory)
+    recompute_layers: bool = False  # keep each repeated layer's input only (capture/layers.py)
     # Block a step until its graphs are built, instead of running it in eager PyTorch while they
     # build in the background. Default: the environment's LAZYGRAD_WAIT_FOR_BUILDS (1: wait).
     wait_for_builds: bool = dataclasses.field(
@@ -32,6 +33,9 @@ class Options:
             raise ValueError(f"lazygrad: policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.arena, bool):
             raise ValueError(f"lazygrad: arena must be True or False, got {self.arena!r}")
+        if not isinstance(self.recompute_layers, bool):
+            raise ValueError("lazygrad: recompute_layers must be True or False, got "
+                             f"{self.recompute_layers!r}")
         if not isinstance(self.segments, int) or self.segments < 1:
             raise ValueError(f"lazygrad: segments must be a positive int, got {self.segments!r}")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:

@@ -779,6 +779,7 @@ class Runtime:
                 tensors_of,
                 mask,
                 recompute=self.options.policy == "recompute",
+                recompute_layers=self.options.recompute_layers,
                 dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
@@ -808,6 +809,7 @@ class Runtime:
                 f"(trace {captured.differentiable}, eager {list(entry.differentiable)})"
             )
         return captured, captured.fingerprint(mask, self.options.policy == "recompute",
+                                              self.options.recompute_layers,
                                               self.options.segments, disk_cache.versions())
 
     # ---- the disk index: a new process serves known signatures without tracing -------------
@@ -818,7 +820,8 @@ class Runtime:
         if self._disk is None or self._writes:  # what it writes is no part of the key
             return None
         return index_key(self.module, signature, list(state), self.options.policy,
-                         self.options.segments, disk_cache.versions())
+                         self.options.recompute_layers, self.options.segments,
+                         disk_cache.versions())
 
     def _serve_from_index(self, signature: Signature, call: FlatCall, state: dict,
                           key: str) -> bool:

@@ -205,3 +205,43 @@ def ran_through_ort(outputs: Sequence[torch.Tensor]) -> bool:
 def case(request) -> tuple[str, torch.nn.Module, tuple]:
     model, inputs = MODEL_CASES[request.param]()
     return request.param, model, inputs
+
+
+class CheckpointedNet(torch.nn.Module):
+    """Residual blocks, each run through `torch.utils.checkpoint` when `checkpointed`:
+    non-reentrant (as transformers' `gradient_checkpointing_enable` runs its layers) or
+    reentrant (torch's default where `use_reentrant` is not passed)."""
+
+    def __init__(self, checkpointed: bool, reentrant: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.GELU(),
+            torch.nn.Linear(128, 32), torch.nn.Dropout(0.1)) for _ in range(3))
+        self.head = torch.nn.Linear(32, 5)
+        self.checkpointed, self.reentrant = checkpointed, reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpointed:
+                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+            else:
+                x = x + block(x)
+        return self.head(x)
+
+
+def stash_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One step (grads zeroed, forward, backward of the squares' sum): the output, and the
+    bytes of the activations the forward saved for the backward (saved tensors of `x`'s size
+    or more, lazygrad's stash included; not the parameters)."""
+    saved = [0]
+
+    def pack(tensor):
+        if tensor.numel() >= x.numel():
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x)
+    out.square().sum().backward()
+    return out.detach(), saved[0]

@@ -14,7 +14,13 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, assert_grads_equal, assert_loss_step_like_eager
+from conftest import (
+    CheckpointedNet,
+    assert_close,
+    assert_grads_equal,
+    assert_loss_step_like_eager,
+    stash_step,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lazygrad
@@ -364,46 +370,6 @@ def test_arena_must_be_a_bool():
         lazygrad.lazy(torch.nn.Linear(2, 2), arena="yes")
 
 
-class CheckpointedNet(torch.nn.Module):
-    """Residual blocks, each run through `torch.utils.checkpoint` when `checkpointed`:
-    non-reentrant (as transformers' `gradient_checkpointing_enable` runs its layers) or
-    reentrant (torch's default where `use_reentrant` is not passed)."""
-
-    def __init__(self, checkpointed: bool, reentrant: bool = False) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
-            torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.GELU(),
-            torch.nn.Linear(128, 32), torch.nn.Dropout(0.1)) for _ in range(3))
-        self.head = torch.nn.Linear(32, 5)
-        self.checkpointed, self.reentrant = checkpointed, reentrant
-
-    def forward(self, x):
-        for block in self.blocks:
-            if self.checkpointed:
-                x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
-            else:
-                x = x + block(x)
-        return self.head(x)
-
-
-def _stash_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """One step (grads zeroed, forward, backward of the squares' sum): the output, and the
-    bytes of the activations the forward saved for the backward (saved tensors of `x`'s size
-    or more, lazygrad's stash included; not the parameters)."""
-    saved = [0]
-
-    def pack(tensor):
-        if tensor.numel() >= x.numel():
-            saved[0] += tensor.numel() * tensor.element_size()
-        return tensor
-
-    model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = model(x)
-    out.square().sum().backward()
-    return out.detach(), saved[0]
-
-
 def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
     """Traced by AOTAutograd as plain code, a checkpointed region's activations were all saved:
     a model trained with activation checkpointing to fit its batch saved as much as without it
@@ -419,9 +385,9 @@ def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
         lazy = lazygrad.lazy(copy.deepcopy(eager))
         for step in range(3):
             torch.manual_seed(step)
-            got, saved[checkpointed, "lazy"] = _stash_step(lazy, x)
+            got, saved[checkpointed, "lazy"] = stash_step(lazy, x)
             torch.manual_seed(step)
-            want, saved[checkpointed, "eager"] = _stash_step(eager, x)
+            want, saved[checkpointed, "eager"] = stash_step(eager, x)
             assert_close(got, want, f"output, step {step}")
             assert_grads_equal(lazy, eager, f"checkpointed={checkpointed}, step {step}")
         stats = lazygrad.stats(lazy)

@@ -28,6 +28,7 @@ from lazygrad.capture import (
     forward_hooks,
     gelu,
     head,
+    layers,
     node_order,
     partition,
     peephole,
@@ -134,6 +135,7 @@ def capture(
     tensors_of: Callable[[Any], list[torch.Tensor]],
     mask: Sequence[bool] | None,
     recompute: bool = False,
+    recompute_layers: bool = False,
     dynamic_dims: Sequence[Sequence[bool]] = (),
     sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
     own_roots: Sequence[bool] = (),
@@ -142,8 +144,9 @@ def capture(
 
     `primals`: the module state (named `state_names`) then the call's tensors; `rebuild` turns
     the call's tensors back into (args, kwargs), `tensors_of` lists a result's tensors. `mask`
-    None: an inference graph. `dynamic_dims`: per call tensor, which of its sizes are symbols
-    (none if empty). The module is left exactly as it was, whatever happens.
+    None: an inference graph. `recompute_layers`: the backward recomputes the activations of the
+    module's repeated layers (`layers.py`). `dynamic_dims`: per call tensor, which of its sizes
+    are symbols (none if empty). The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
@@ -169,7 +172,8 @@ def capture(
             raise CaptureError(f"the forward returns a number, {code}, computed from sizes that "
                                "no input holds")
     try:
-        parts = partition.partition(traced, recompute)
+        recomputed = layers.repeated_layers(module) if recompute_layers else []
+        parts = partition.partition(traced, recompute, recomputed)
         head.recompute_log_softmax(parts, len(traced.mutated) + len(traced.outputs))
         for gm in (parts.forward, parts.backward):
             if gm is not None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
 
-from lazygrad.capture import copies, private
+from lazygrad.capture import copies, layers, private
 from lazygrad.capture import draws as random_draws
 from lazygrad.capture.trace import Traced
 
@@ -48,11 +49,16 @@ def replace_node(old: fx.Node, new: fx.Node) -> None:
     new.name = name
 
 
-def partition(traced: Traced, recompute: bool) -> Partitioned:
+def partition(
+    traced: Traced, recompute: bool, recomputed_layers: Sequence[str] = ()
+) -> Partitioned:
+    """`recomputed_layers`: the submodules whose activations the backward recomputes
+    (layers.py)."""
     draws = random_draws.lift(traced.joint)
     copies.drop_value_copies(traced.joint)
     if not traced.training:
         return Partitioned(traced.joint, None, draws)
+    layers.tag_for_recompute(traced.joint, recomputed_layers)
     forward, backward = private.default_partition(
         traced.joint, None, num_fwd_outputs=traced.num_forward_outputs
     )
