@@ -141,6 +141,24 @@ def test_every_mask_trains_like_eager_with_a_smaller_stash(policy):
         assert stashes[True, mask] < stashes[False, mask], mask
 
 
+def test_graphs_built_without_the_option_never_serve_a_model_with_it(private_disk_cache):
+    """The disk index keys on the option: a model with `recompute_layers` builds its own
+    graphs (an eager first step), and a second one with it is served by those."""
+    x = torch.randn(4, 8, 32)
+    torch.manual_seed(0)
+    eager = CheckpointedNet(checkpointed=False).eval()  # no Dropout: one step is one call
+    lazygrad_steps = []
+    for layers in (False, True, True):
+        lazy = lazygrad.lazy(copy.deepcopy(eager), recompute_layers=layers)
+        got, _ = stash_step(lazy, x)
+        want, _ = stash_step(eager, x)
+        assert_close(got, want, f"recompute_layers={layers}")
+        assert_grads_equal(lazy, eager, f"recompute_layers={layers}")
+        stats = lazygrad.stats(lazy)
+        lazygrad_steps.append((stats.eager_steps, stats.disk_hits))
+    assert lazygrad_steps == [(1, 0), (1, 0), (0, 1)]
+
+
 def test_recompute_layers_must_be_a_bool():
     with pytest.raises(ValueError, match="recompute_layers must be True or False, got 1"):
         lazygrad.lazy(torch.nn.Linear(2, 2), recompute_layers=1)
