@@ -828,3 +828,48 @@ def test_the_lowered_gamma_functions_are_exact_to_a_rounding(dtype):
         error = (got[finite].double() - exact).abs() / exact.abs().clamp_min(1.0)
         assert error.max() <= (1.2e-7 if dtype == torch.float32 else 1e-13), name
     assert torch.equal(special.lgamma(torch.tensor([1.0, 2.0])), torch.zeros(2))
+
+
+class MelNorm(torch.nn.Module):
+    """CLAP's audio encoder's first step: BatchNorm over the mel bins of a (batch, 1, time, mel)
+    input, as `batch_norm(x.transpose(1, 3))`, then a patch embedding."""
+
+    def __init__(self, mel: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm2d(mel)
+        self.patches = torch.nn.Conv2d(1, 4, 4, 4)
+
+    def forward(self, x):
+        y = self.norm(x.transpose(1, 3)).transpose(1, 3)
+        return self.patches(y.permute(0, 1, 3, 2).contiguous())
+
+
+def test_batch_norm_over_a_transposed_input_gets_its_true_gradient():
+    """The transposed input is channels-last (its last dimension has size 1) and the output's
+    gradient arrives contiguous: torch 2.13's CPU kernel for that backward gives wrong
+    gradients (gradcheck fails). Lazygrad traces torch's decomposition of the backward: its
+    gradients are those of the same function computed in float64 from its definition (from the
+    second step: the first call runs in eager PyTorch)."""
+    torch.manual_seed(0)
+    lazy = lazygrad.lazy(MelNorm())
+    weights = torch.randn(2, 4, 2, 2)
+    for step in range(3):
+        x = torch.randn(2, 1, 8, 8)
+        lazy.zero_grad(set_to_none=True)
+        got = lazy(x)
+        (got * weights).sum().backward()
+        params = {n: p.detach().double().requires_grad_() for n, p in lazy.named_parameters()}
+        t = x.double().transpose(1, 3)
+        mean = t.mean((0, 2, 3), keepdim=True)
+        var = t.var((0, 2, 3), unbiased=False, keepdim=True)
+        scale = params["norm.weight"].view(1, -1, 1, 1)
+        shift = params["norm.bias"].view(1, -1, 1, 1)
+        y = ((t - mean) / (var + 1e-5).sqrt() * scale + shift).transpose(1, 3)
+        out = F.conv2d(y.permute(0, 1, 3, 2), params["patches.weight"], params["patches.bias"], 4)
+        (out * weights.double()).sum().backward()
+        assert_close(got.detach().double(), out.detach(), f"step {step}: output")
+        for name, p in lazy.named_parameters():
+            if step > 0:
+                assert_close(p.grad.double(), params[name].grad, f"step {step}: {name}.grad")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
