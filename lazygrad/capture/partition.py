@@ -3,6 +3,8 @@
 AOTAutograd's default partitioner places each op where eager autograd runs it and saves what
 the backward reads (the "predict" and "all" policies). The "recompute" policy saves nothing but
 the inputs and random draws: its backward is the forward followed by the backward, in one graph.
+With `recompute_layers`, the ops of the model's repeated layers are first tagged as checkpoint
+regions (layers.py), so the partitioner saves what enters each layer and recomputes the rest.
 Random ops are lifted out first (draws.py), so both graphs read the same draws as inputs, and
 copies that keep their source's value and layout are dropped (copies.py), so a value is saved
 once.
