@@ -37,6 +37,7 @@ from lazygrad.capture import (
     Graphs,
     aliasing,
     capture,
+    checks,
     export,
     refuse_reads,
     unchanged,
@@ -106,6 +107,8 @@ class SignatureEntry:
     device: torch.device  # of every tensor of the call and the module (part of the signature)
     plan: Mask | None = None  # the last mask served; the forward's plan where none is forecast
     index_key: str | None = None  # its records in the disk index (None: it has none)
+    # what each `bool(tensor)` of its first call returned (`checks.recording`; None: unknown)
+    branches: checks.Branches | None = None
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
 
@@ -508,7 +511,8 @@ class Runtime:
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
         watch = Watch(list(state.values()), call.tensors)
-        result = self._eager_or_explain(args, kwargs, call)
+        with checks.recording() as branches:
+            result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
             return result
@@ -544,6 +548,7 @@ class Runtime:
                     state_names=state_names,
                     device=device,
                     index_key=key,
+                    branches=tuple(branches),
                 )
         watch.outputs(tensors)
         if not signature.grad:
@@ -783,6 +788,7 @@ class Runtime:
                 dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
+                branches=entry.branches,
             )
         written = dict(zip((f"{path}.{name}".lstrip(".") for path, name in self._writes),
                            self._written_values(module)))
@@ -850,6 +856,8 @@ class Runtime:
             device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
             index_key=key,
+            branches=None if record.get("branches") is None
+            else tuple(map(tuple, record["branches"])),
         )
         with self._lock:
             if signature in self._entries:  # another thread's first call came first
@@ -892,6 +900,7 @@ class Runtime:
                 "aliasing": dataclasses.asdict(entry.aliasing),
                 "state_names": entry.state_names,
                 "plan": mask,
+                "branches": None if entry.branches is None else list(map(list, entry.branches)),
             })
 
     def _count_recompute(self) -> None:

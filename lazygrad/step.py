@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lazygrad import generators
-from lazygrad.graph_pair import GraphPair
+from lazygrad.graph_pair import ChecksFailed, GraphPair
 
 # (mask, primals, cotangents) -> the pair of that mask, found or built; None if it cannot be
 PairFor = Callable[[tuple[bool, ...], list[torch.Tensor], tuple], GraphPair | None]
@@ -66,7 +66,12 @@ class Step:
         if pair.graphs.draws:
             self._generator_state = generators.state(self.device)
             draws = pair.draw(self.env, self.device)
-        results = pair.forward(primals, draws, self.device)
+        try:
+            results = pair.forward(primals, draws, self.device)
+        except ChecksFailed:  # the call runs again in eager PyTorch, drawing what eager draws
+            if draws:
+                generators.set_state(self.device, self._generator_state)
+            raise
         roots = pair.roots(results, self.env)
         kept_primals = list(primals) if pair.graphs.mutations else primals
         for _, primal in pair.graphs.mutations:

@@ -238,8 +238,8 @@ def test_a_failing_submodule_condemns_only_those_of_its_class_with_its_settings(
 
 
 class CheckpointsABranchingBlock(torch.nn.Module):
-    """Its own code branches on a value (so it runs in parts); its block runs checkpointed,
-    recomputed in the backward."""
+    """Its own code compares a value read as a Python number (so it runs in parts); its block
+    runs checkpointed, recomputed in the backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,7 +249,7 @@ class CheckpointsABranchingBlock(torch.nn.Module):
 
     def forward(self, x):
         h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
-        if h.sum() > 0:
+        if h.sum().item() > 0:
             h = h * 2
         return self.head(h)
 

@@ -14,11 +14,22 @@ GatherElements, ScatterElements and OneHot take a negative index from the end, w
 of `cross_entropy` and `nll_loss` raise in eager; a token id or a label of -1 (a padding value
 mistaken for `ignore_index`) trained silently on the last row or class. A call with an index
 out of its range runs again in eager PyTorch, which raises eager's error.
+
+A branch on a tensor's value (`if torch.isinf(h).any() or torch.isnan(h).any(): h = h.clamp(...)`
+in DETR's encoder layers; `if mask.any():`) is taken as the signature's first call took it:
+that call runs in eager PyTorch, and `recording` keeps what each `bool(tensor)` it made
+returned, by the line of code that made it (and its count there: a layer's line runs once per
+layer). The trace answers a `bool(tensor)` made at a recorded line with the recorded value and
+keeps the check that the tensor gives that value (`_Branches`), so a later call that would take
+the other branch runs again in eager PyTorch, as torch.compile guards a value it specialised
+on. The check alone makes the graph right: the record only chooses which branch to build.
+Before, a trace that met such a branch failed and the submodule ran eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,15 +38,21 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from lazygrad.capture import private
+
 _state = threading.local()
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """While a trace runs: `torch._is_all_true`, called by the traced forward (`kept` open on
-    the tracing thread), keeps its tensor and answers True. Elsewhere (another thread's eager
-    code) it checks. One trace at a time (`trace._lock`)."""
+    the tracing thread), keeps its tensor and answers True; `bool(tensor)` of a traced tensor
+    (AOTAutograd's functional tensors) is answered by the first call's branches where `kept`
+    was given them. Elsewhere (another thread's eager code) both act as ever. One trace at a
+    time (`trace._lock`)."""
     checking = torch._is_all_true
+    functional = private.FunctionalTensor
+    truth = functional.__bool__
     tracing = threading.get_ident()
 
     def keep(tensor: torch.Tensor) -> object:
@@ -45,28 +62,114 @@ def deferred() -> Iterator[None]:
         kept.append(tensor)
         return True
 
+    def answered(tensor: torch.Tensor) -> bool:
+        branches = getattr(_state, "branches", None)
+        if branches is not None and threading.get_ident() == tracing:
+            value = branches.answer(tensor, sys._getframe(1))
+            if value is not None:
+                return value
+        return truth(tensor)
+
     torch._is_all_true = keep
+    functional.__bool__ = answered
     try:
         with _IndexChecks():
             yield
     finally:
         torch._is_all_true = checking
+        functional.__bool__ = truth
 
 
 @contextlib.contextmanager
-def kept() -> Iterator[list[torch.Tensor]]:
-    """The checks the forward run in this block defers (`deferred`), in order."""
-    previous = getattr(_state, "kept", None)
+def kept(branches: Branches | None = None) -> Iterator[list[torch.Tensor]]:
+    """The checks the forward run in this block defers (`deferred`), in order. `branches`: what
+    each `bool(tensor)` of the first call returned (`recording`), which answers the trace's
+    (None: unknown; a branch on a value then fails the trace)."""
+    previous = getattr(_state, "kept", None), getattr(_state, "branches", None)
     _state.kept = checks = []
+    _state.branches = None if branches is None else _Branches(branches)
     try:
         yield checks
     finally:
-        _state.kept = previous
+        _state.kept, _state.branches = previous
 
 
 def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
     """One boolean: whether every check held."""
     return torch.stack([check.all() for check in checks]).all()
+
+
+# (file, line, count at that line) of each `bool(tensor)` a call made -> what it returned
+Branches = tuple[tuple[str, int, int, bool], ...]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, int, int, bool]]]:
+    """What each `bool(tensor)` made in this block (on this thread) returned, by where it was
+    made (`Branches`). `Tensor.__bool__` is wrapped while any thread records: a torch function
+    mode would do, but an active mode turns off eager's fast paths (`nn.TransformerEncoder`'s
+    nested tensors), and the call must be eager's own."""
+    values: list[tuple[str, int, int, bool]] = []
+    recorders = _state.__dict__.setdefault("recorders", [])
+    recorders.append((values, {}))
+    with _truth_recorded():
+        try:
+            yield values
+        finally:
+            recorders.pop()
+
+
+_recording = threading.Lock()
+_recording_threads = 0
+
+
+@contextlib.contextmanager
+def _truth_recorded() -> Iterator[None]:
+    global _recording_threads
+    with _recording:
+        if _recording_threads == 0:
+            torch.Tensor.__bool__ = _recorded_truth  # type: ignore[method-assign]
+        _recording_threads += 1
+    try:
+        yield
+    finally:
+        with _recording:
+            _recording_threads -= 1
+            if _recording_threads == 0:
+                del torch.Tensor.__bool__
+
+
+def _recorded_truth(tensor: torch.Tensor) -> bool:
+    value = torch._C.TensorBase.__bool__(tensor)
+    for values, counts in getattr(_state, "recorders", ()):  # called by the frame above
+        values.append((*_site(sys._getframe(1), counts), value))
+    return value
+
+
+def _site(frame: Any, counts: dict[tuple[str, int], int]) -> tuple[str, int, int]:
+    """Where `frame` is (its file and line), and how many times that line was met before."""
+    line = (frame.f_code.co_filename, frame.f_lineno)
+    count = counts.get(line, 0)
+    counts[line] = count + 1
+    return (*line, count)
+
+
+class _Branches:
+    """The trace's answers to `bool(tensor)`: the first call's at the same place, each kept as
+    a check that the tensor gives it."""
+
+    def __init__(self, values: Branches) -> None:
+        self.values = {(file, line, count): value for file, line, count, value in values}
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def answer(self, tensor: torch.Tensor, frame: Any) -> bool | None:
+        """The recorded value where `frame` made a `bool(tensor)` the first call made too
+        (kept as a check), else None."""
+        value = self.values.get(_site(frame, self._counts))
+        if value is not None:
+            held = tensor if tensor.dtype == torch.bool else tensor != 0
+            torch._is_all_true(held if value else held.logical_not())
+        return value
 
 
 def _in_range(index: torch.Tensor, size: int, allowed: int | None = None) -> torch.Tensor:

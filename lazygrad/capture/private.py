@@ -354,6 +354,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "EffectType": ("torch._library.effects", "EffectType"),
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
+    "FunctionalTensor": ("torch._subclasses.functional_tensor", "FunctionalTensor"),
     "ExportedProgram": ("torch.export", "ExportedProgram"),
     "ModuleCallEntry": ("torch.export.exported_program", "ModuleCallEntry"),
     "ModuleCallSignature": ("torch.export.exported_program", "ModuleCallSignature"),

@@ -520,6 +520,9 @@ class Functional:
     `matmul` folds the batch and views the result back, where eager's kernel returns an
     `_unsafe_view`, which is no view. Such an output is cloned, so it is a root here as in
     eager (`h @ h.transpose(1, 2)` returned by a module ran in parts before).
+
+    `branches`: what each `bool(tensor)` of the first call returned (`checks.recording`): the
+    trace takes each branch on a value as that call did, and its check joins the others.
     """
 
     def __init__(
@@ -532,8 +535,10 @@ class Functional:
         mask: Sequence[bool] | None,
         sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
         own_roots: Sequence[bool] = (),
+        branches: checks.Branches | None = None,
     ) -> None:
         self.original = _Original(module, forward)
+        self.branches = branches
         self.names = [f"inner.{name}" for name in state_names]
         self.rebuild, self.tensors_of, self.sized_of = rebuild, tensors_of, sized_of
         self.mask = mask
@@ -550,7 +555,7 @@ class Functional:
         args, kwargs = self.rebuild(list(primals[count:]))
         given = _contents(args, kwargs)
         storages = list(map(private.storage_id, primals))
-        with eager_mode(), checks.kept() as made:
+        with eager_mode(), checks.kept(self.branches) as made:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
         replaced = [i for i, (primal, storage) in enumerate(zip(primals, storages))
                     if private.storage_id(primal) != storage]
