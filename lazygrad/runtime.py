@@ -118,6 +118,11 @@ class PairEntry:
     stats: EntryStats
 
 
+# Calls whose graph's checks failed (a branch on a value the other way than the first call's,
+# `capture/checks.py`), each run again eagerly, before a signature runs in parts: at least this
+# many, and at least a fifth of its calls (a rare overflow guard stays served by its graph).
+CHECK_MISSES = 4
+
 # Values of a number argument that get graphs of their own before its calls run eagerly (as
 # torch.compile's recompile limit): a few settings are each served, a changing one is not.
 NUMBER_VALUES = 8
@@ -178,6 +183,8 @@ class Runtime:
         self._writes: tuple[tuple[str, str], ...] = ()
         # per signature with its numbers left out: the numbers' values met (`_numbers_churn`)
         self._numbers_seen: dict[Signature, set[tuple]] = {}
+        # per signature without its sizes: calls whose graph's checks failed (`CHECK_MISSES`)
+        self._missed_checks: dict[Signature, int] = {}
         directory = disk_cache.default_directory()
         self._disk = disk_cache.DiskCache(directory) if directory else None
 
@@ -202,6 +209,7 @@ class Runtime:
             self._doomed = None
             self._changing, self._changing_calls = False, 0
             self._numbers_seen.clear()
+            self._missed_checks.clear()
             self._building.clear()
             self._generation += 1
         for _, part in self._parts or []:
@@ -406,9 +414,16 @@ class Runtime:
                 roots = self._infer(pair, primals, env, device)
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
-        except ChecksFailed:  # eager raises the check's own error
+        except ChecksFailed:  # eager raises the check's own error, or takes the other branch
             with self._lock:
                 self.stats.eager_steps += 1
+                unsized = _unsized(signature)
+                missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
+                calls = found.stats.hits + missed
+            if missed >= CHECK_MISSES and missed * 5 >= calls:
+                self._give_up(signature, f"the checks its graph makes on tensor values (a branch "
+                              f"taken as its first call took it) failed in {missed} of {calls} "
+                              "calls, each run again in eager PyTorch")
             return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))

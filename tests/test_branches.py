@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import assert_close, assert_grads_equal
 
@@ -128,3 +129,23 @@ def test_a_process_served_from_the_disk_index_builds_a_new_mask_with_the_branche
         assert_grads_equal(second, eager, f"step {step}")
     stats = lazygrad.stats(second)
     assert (stats.disk_hits, stats.eager_steps, stats.fallbacks, stats.breaks) == (1, 0, 0, 0)
+
+
+def test_a_branch_that_keeps_going_the_other_way_sends_the_module_to_its_parts():
+    """Inputs that alternate between large and small: every other call fails the graph's
+    check and runs wholly in eager PyTorch. After 4 such calls (at least a fifth of the calls
+    its graph served or missed) the module runs in parts, said once: its own code (the branch)
+    eagerly, its layers through ORT. Every step is eager's."""
+    torch.manual_seed(0)
+    eager = Rescales()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    with pytest.warns(lazygrad.GraphBreakWarning, match=r"failed in 4 of 7 calls"):
+        for step in range(14):
+            x = torch.randn(3, 4) * (100.0 if step % 2 == 0 else 1.0)
+            got, _ = _step(lazy, x.clone(), step)
+            want, _ = _step(eager, x.clone(), step)
+            assert_close(got, want, f"output, step {step}")
+            assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 1)
+    assert all(part.hits > 0 for part in stats.parts.values())
