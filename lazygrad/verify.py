@@ -31,7 +31,7 @@ from torch import fx
 from lazygrad import generators, heap, ties
 from lazygrad.capture import Captured, Feed
 from lazygrad.eager_record import EagerRecord, sample
-from lazygrad.graph_pair import GraphPair
+from lazygrad.graph_pair import ChecksFailed, GraphPair
 
 
 class VerificationError(RuntimeError):
@@ -70,7 +70,9 @@ def verify(
     # makes them: a result torch no longer needs is freed, and ORT's once compared, unless the
     # backward's check reads it (fed ORT's) or it is an output that gets a cotangent. One set
     # of forward results is alive, not two.
-    results: list = pair.forward(primals, draws, device)
+    # Its draws are not the call's: a branch on them (LayerDrop's) may go the other way, which
+    # the graph's check result says, compared with torch's as any other result.
+    results: list = pair.forward(primals, draws, device, checked=False)
     checking = tidy.backward is not None and pair.mask is not None
     read = set(pair.outputs_read_by_backward)
     kept: set[int] = set()
@@ -140,8 +142,13 @@ def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: E
     primals = [p.detach() for p in eager.primals(primals)]
     env = pair.sizes(primals)
     draws = pair.draw(env, device, eager.generator(device))
-    outputs = pair.module_outputs(pair.roots(pair.forward(primals, draws, device), env),
-                                  primals, env)
+    try:
+        results = pair.forward(primals, draws, device)
+    except ChecksFailed:
+        raise VerificationError(
+            "the graph's checks do not hold on the call eager PyTorch ran, with its draws: the "
+            "trace branched on a value otherwise than that call did") from None
+    outputs = pair.module_outputs(pair.roots(results, env), primals, env)
     if len(outputs) != len(eager.samples):
         raise VerificationError(
             f"the graph returns {len(outputs)} tensors, eager PyTorch {len(eager.samples)}")

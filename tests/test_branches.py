@@ -149,3 +149,40 @@ def test_a_branch_that_keeps_going_the_other_way_sends_the_module_to_its_parts()
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 1)
     assert all(part.hits > 0 for part in stats.parts.values())
+
+
+class LayerDrop(torch.nn.Module):
+    """Hugging Face's LayerDrop: each layer is skipped in training when a uniform draw falls
+    under `p`, a branch on a random value."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_branch_on_a_random_draw_builds_and_replays_eagers_draws():
+    """The build's check draws its own numbers, on which a LayerDrop branch may go the other
+    way: the build failed ("ChecksFailed") and the model ran in parts. The check now compares
+    the graph's check result as any other; each call draws what eager draws, and one that
+    skips a layer otherwise than the first call runs eagerly."""
+    torch.manual_seed(0)
+    eager = LayerDrop(0.1)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(12):
+        x = torch.randn(3, 4)
+        got, got_generator = _step(lazy, x.clone(), step)
+        want, want_generator = _step(eager, x.clone(), step)
+        assert_close(got, want, f"output, step {step}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 0)
+    assert stats.hits >= 8 and stats.eager_steps >= 2, stats  # a layer skipped at least once
