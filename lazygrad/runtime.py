@@ -417,7 +417,6 @@ class Runtime:
         except ChecksFailed:  # eager raises the check's own error, or takes the other branch
             with self._lock:
                 self.stats.eager_steps += 1
-                unsized = _unsized(signature)
                 missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
                 calls = found.stats.hits + missed
             if missed >= CHECK_MISSES and missed * 5 >= calls:

@@ -125,6 +125,7 @@ _recording_threads = 0
 
 @contextlib.contextmanager
 def _truth_recorded() -> Iterator[None]:
+    """`Tensor.__bool__` records (`_recorded_truth`) while any thread is in this block."""
     global _recording_threads
     with _recording:
         if _recording_threads == 0:
@@ -140,6 +141,7 @@ def _truth_recorded() -> Iterator[None]:
 
 
 def _recorded_truth(tensor: torch.Tensor) -> bool:
+    """`bool(tensor)`, kept by this thread's recordings (none on other threads)."""
     value = torch._C.TensorBase.__bool__(tensor)
     for values, counts in getattr(_state, "recorders", ()):  # called by the frame above
         values.append((*_site(sys._getframe(1), counts), value))
