@@ -204,8 +204,8 @@ def probe_train(
     torch.manual_seed(0)
     model = models.BertPretraining(bert)
     if lazy:
-        policy, _, layers = config.partition("+")  # "predict+layers": recompute_layers
-        model = lazygrad.lazy(model, policy=policy, recompute_layers=layers == "layers",
+        policy, recompute_layers = lazy_options(config)
+        model = lazygrad.lazy(model, policy=policy, recompute_layers=recompute_layers,
                               **({} if segments is None else {"segments": segments}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids, mlm_labels, nsp_labels = models.bert_batch(bert, batch=batch, seq=shape.seq)
@@ -436,8 +436,14 @@ def label(config: str) -> str:
     with `recompute_layers=True`)."""
     if config == "eager":
         return config
+    policy, recompute_layers = lazy_options(config)
+    return f'lazygrad "{policy}"' + (", recompute_layers" if recompute_layers else "")
+
+
+def lazy_options(config: str) -> tuple[str, bool]:
+    """A lazygrad config's policy and `recompute_layers` ("predict+layers": both)."""
     policy, _, layers = config.partition("+")
-    return f'lazygrad "{policy}"' + (", recompute_layers" if layers else "")
+    return policy, layers == "layers"
 
 
 def _grid(header: Sequence[str], rows: Sequence[Sequence[str]], text: Sequence[int] = (0,)) -> str:

@@ -38,6 +38,18 @@ def _step(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Ten
     return out.detach(), torch.random.get_rng_state()
 
 
+def _steps_with_eagers_draws(lazy: torch.nn.Module, eager: torch.nn.Module,
+                             inputs: list[torch.Tensor]) -> None:
+    """A step of each model per input (`_step`, seeded by its index): the outputs, the
+    gradients and torch's generator after the step are eager's."""
+    for step, x in enumerate(inputs):
+        got, got_generator = _step(lazy, x.clone(), step)
+        want, want_generator = _step(eager, x.clone(), step)
+        assert_close(got, want, f"output, step {step}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+
+
 def test_a_branch_on_a_value_is_taken_as_the_first_call_took_it_and_checked_every_call():
     """The model ran in parts ("the forward depends on tensor values"). Now the graph takes
     the branch the first call took (no clamp) and returns whether the tensors still agree: a
@@ -46,15 +58,9 @@ def test_a_branch_on_a_value_is_taken_as_the_first_call_took_it_and_checked_ever
     torch.manual_seed(0)
     eager = ClampsNonFinite()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step in range(6):
-        x = torch.randn(5, 8)
-        if step == 3:
-            x[0] = 3e38  # overflows to infinity in the first layer
-        got, got_generator = _step(lazy, x.clone(), step)
-        want, want_generator = _step(eager, x.clone(), step)
-        assert_close(got, want, f"output, step {step}")
-        assert_grads_equal(lazy, eager, f"step {step}")
-        assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+    inputs = [torch.randn(5, 8) for _ in range(6)]
+    inputs[3][0] = 3e38  # overflows to infinity in the first layer
+    _steps_with_eagers_draws(lazy, eager, inputs)
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (4, 2)  # the first call, and the overflowing one
@@ -176,13 +182,7 @@ def test_a_branch_on_a_random_draw_builds_and_replays_eagers_draws():
     torch.manual_seed(0)
     eager = LayerDrop(0.1)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step in range(12):
-        x = torch.randn(3, 4)
-        got, got_generator = _step(lazy, x.clone(), step)
-        want, want_generator = _step(eager, x.clone(), step)
-        assert_close(got, want, f"output, step {step}")
-        assert_grads_equal(lazy, eager, f"step {step}")
-        assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+    _steps_with_eagers_draws(lazy, eager, [torch.randn(3, 4) for _ in range(12)])
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert stats.hits >= 8 and stats.eager_steps >= 2, stats  # a layer skipped at least once
