@@ -114,9 +114,9 @@ class GraphPair:
         checked: bool = True,
     ) -> list[torch.Tensor]:
         """The forward graph's results: mutated state, output bases, saved tensors. Raises
-        `ChecksFailed` where the forward's checks (of arguments, and of the branches the trace
-        took: `checks.py`) did not all hold, unless not `checked` (the build's check, which
-        compares that result as any other)."""
+        `ChecksFailed` where the forward's checks (of arguments, and of the values the trace
+        read as the first call did: `checks.py`) did not all hold, unless not `checked` (the
+        build's check, which compares that result as any other)."""
         session = self.session("forward", device)
         values = [*primals, *draws]
         positions = self._feed_positions("forward", len(primals), len(draws))

@@ -107,8 +107,8 @@ class SignatureEntry:
     device: torch.device  # of every tensor of the call and the module (part of the signature)
     plan: Mask | None = None  # the last mask served; the forward's plan where none is forecast
     index_key: str | None = None  # its records in the disk index (None: it has none)
-    # what each `bool(tensor)` of its first call returned (`checks.recording`; None: unknown)
-    branches: checks.Branches | None = None
+    # what its first call read from tensors' values (`checks.recording`; None: unknown)
+    reads: checks.Reads | None = None
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
 
@@ -118,9 +118,10 @@ class PairEntry:
     stats: EntryStats
 
 
-# Calls whose graph's checks failed (a branch on a value the other way than the first call's,
-# `capture/checks.py`), each run again eagerly, before a signature runs in parts: at least this
-# many, and at least a fifth of its calls (a rare overflow guard stays served by its graph).
+# Calls whose graph's checks failed (a value read otherwise than by the first call: a branch
+# the other way, another number or length; `capture/checks.py`), each run again eagerly, before
+# a signature runs in parts: at least this many, and at least a fifth of its calls (a rare
+# overflow guard stays served by its graph).
 CHECK_MISSES = 4
 
 # Values of a number argument that get graphs of their own before its calls run eagerly (as
@@ -420,9 +421,9 @@ class Runtime:
                 missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
                 calls = found.stats.hits + missed
             if missed >= CHECK_MISSES and missed * 5 >= calls:
-                self._give_up(signature, f"the checks its graph makes on tensor values (a branch "
-                              f"taken as its first call took it) failed in {missed} of {calls} "
-                              "calls, each run again in eager PyTorch")
+                self._give_up(signature, "the checks its graph makes on tensor values (a branch "
+                              "or a number read as its first call read it) failed in "
+                              f"{missed} of {calls} calls, each run again in eager PyTorch")
             return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))
@@ -525,7 +526,7 @@ class Runtime:
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
         watch = Watch(list(state.values()), call.tensors)
-        with checks.recording() as branches:
+        with checks.recording() as reads:
             result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
@@ -562,7 +563,7 @@ class Runtime:
                     state_names=state_names,
                     device=device,
                     index_key=key,
-                    branches=tuple(branches),
+                    reads=tuple(reads),
                 )
         watch.outputs(tensors)
         if not signature.grad:
@@ -802,7 +803,7 @@ class Runtime:
                 dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
-                branches=entry.branches,
+                reads=entry.reads,
             )
         written = dict(zip((f"{path}.{name}".lstrip(".") for path, name in self._writes),
                            self._written_values(module)))
@@ -870,8 +871,7 @@ class Runtime:
             device=device,
             plan=None if record["plan"] is None else tuple(record["plan"]),
             index_key=key,
-            branches=None if record.get("branches") is None
-            else tuple(map(tuple, record["branches"])),
+            reads=None if record.get("reads") is None else tuple(map(tuple, record["reads"])),
         )
         with self._lock:
             if signature in self._entries:  # another thread's first call came first
@@ -914,7 +914,7 @@ class Runtime:
                 "aliasing": dataclasses.asdict(entry.aliasing),
                 "state_names": entry.state_names,
                 "plan": mask,
-                "branches": None if entry.branches is None else list(map(list, entry.branches)),
+                "reads": None if entry.reads is None else list(map(list, entry.reads)),
             })
 
     def _count_recompute(self) -> None:

@@ -147,7 +147,7 @@ def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: E
     except ChecksFailed:
         raise VerificationError(
             "the graph's checks do not hold on the call eager PyTorch ran, with its draws: the "
-            "trace branched on a value otherwise than that call did") from None
+            "trace read a value otherwise than that call did (a branch, a number)") from None
     outputs = pair.module_outputs(pair.roots(results, env), primals, env)
     if len(outputs) != len(eager.samples):
         raise VerificationError(

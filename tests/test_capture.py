@@ -300,7 +300,7 @@ class DataDependentTiedLM(TiedLM):
         return self.b(h)
 
     def forward(self, ids, targets):
-        n = int((ids % 3 == 0).sum())  # a Python int read from tensor values
+        n = int((ids % 3 == 0).sum().numpy())  # read through NumPy: no trace can see it
         logits = self.head(self.body(self.embed(ids), repeats=1 + n % 2))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
 

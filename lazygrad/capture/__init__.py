@@ -140,7 +140,7 @@ def capture(
     dynamic_dims: Sequence[Sequence[bool]] = (),
     sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
     own_roots: Sequence[bool] = (),
-    branches: checks.Branches | None = None,
+    reads: checks.Reads | None = None,
 ) -> Captured:
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
@@ -148,15 +148,15 @@ def capture(
     the call's tensors back into (args, kwargs), `tensors_of` lists a result's tensors. `mask`
     None: an inference graph. `recompute_layers`: the backward recomputes the activations of the
     module's repeated layers (`layers.py`). `dynamic_dims`: per call tensor, which of its sizes
-    are symbols (none if empty). `branches`: what each `bool(tensor)` of the signature's first
-    call returned (`checks.recording`; None: unknown). The module is left exactly as it was,
+    are symbols (none if empty). `reads`: what the signature's first call read from tensors'
+    values (`checks.recording`; None: unknown). The module is left exactly as it was,
     whatever happens.
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
     forward_hooks.refuse_global_hooks(module)
     fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of,
-                          own_roots, branches)
+                          own_roots, reads)
     count = len(state_names)
     dynamic = [[False] * p.dim() for p in primals[:count]]
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]

@@ -15,20 +15,24 @@ of `cross_entropy` and `nll_loss` raise in eager; a token id or a label of -1 (a
 mistaken for `ignore_index`) trained silently on the last row or class. A call with an index
 out of its range runs again in eager PyTorch, which raises eager's error.
 
-A branch on a tensor's value (`if torch.isinf(h).any() or torch.isnan(h).any(): h = h.clamp(...)`
-in DETR's encoder layers; `if mask.any():`) is taken as the signature's first call took it:
-that call runs in eager PyTorch, and `recording` keeps what each `bool(tensor)` it made
-returned, by the line of code that made it (and its count there: a layer's line runs once per
-layer). The trace answers a `bool(tensor)` made at a recorded line with the recorded value and
-keeps the check that the tensor gives that value (`_Branches`), so a later call that would take
-the other branch runs again in eager PyTorch, as torch.compile guards a value it specialised
-on. The check alone makes the graph right: the record only chooses which branch to build.
-Before, a trace that met such a branch failed and the submodule ran eagerly.
+A value read from a tensor is taken as the signature's first call read it: a branch on a value
+(`if torch.isinf(h).any() or torch.isnan(h).any(): h = h.clamp(...)` in DETR's encoder layers;
+`if mask.any():`), and a number or list read as Python values (`n = int(mask.sum(1).max())`
+to cut padding, `.item()`, `torch.split(x, lengths.tolist())` in Qwen2-VL's vision tower, the
+grid sizes its rotary tables are made for). That call runs in eager PyTorch, and `recording`
+keeps what each such read (`bool`, `int`, `float`, `operator.index`, `.item()`, `.tolist()`
+of a tensor) returned, by the line of code that made it (and its count there: a layer's line
+runs once per layer). The trace answers a read made at a recorded line with the recorded value
+and keeps the check that the tensor still holds that value (`_Reads`), so a later call that
+would read another runs again in eager PyTorch, as torch.compile guards a value it specialised
+on. The check alone makes the graph right: the record only chooses what to build. Before, a
+trace that met such a read failed and the submodule ran eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lazygrad.capture import private
+from lazygrad.capture import private, selections
 
 _state = threading.local()
 
@@ -46,13 +50,13 @@ _state = threading.local()
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """While a trace runs: `torch._is_all_true`, called by the traced forward (`kept` open on
-    the tracing thread), keeps its tensor and answers True; `bool(tensor)` of a traced tensor
-    (AOTAutograd's functional tensors) is answered by the first call's branches where `kept`
-    was given them. Elsewhere (another thread's eager code) both act as ever. One trace at a
-    time (`trace._lock`)."""
+    the tracing thread), keeps its tensor and answers True; a value read from a traced tensor
+    (AOTAutograd's functional tensors: `_READERS`) is answered by the first call's reads where
+    `kept` was given them. Elsewhere (another thread's eager code) both act as ever. One trace
+    at a time (`trace._lock`)."""
     checking = torch._is_all_true
     functional = private.FunctionalTensor
-    truth = functional.__bool__
+    own = {name: functional.__dict__[name] for name in _READERS if name in functional.__dict__}
     tracing = threading.get_ident()
 
     def keep(tensor: torch.Tensor) -> object:
@@ -62,36 +66,46 @@ def deferred() -> Iterator[None]:
         kept.append(tensor)
         return True
 
-    def answered(tensor: torch.Tensor) -> bool:
-        branches = getattr(_state, "branches", None)
-        if branches is not None and threading.get_ident() == tracing:
-            value = branches.answer(tensor, sys._getframe(1))
-            if value is not None:
-                return value
-        return truth(tensor)
+    def answering(name: str) -> Callable[[torch.Tensor], Any]:
+        read = getattr(functional, name)
+
+        def answered(tensor: torch.Tensor) -> Any:
+            reads = getattr(_state, "reads", None)
+            if reads is not None and threading.get_ident() == tracing:
+                value = reads.answer(sys._getframe(1), lambda: tensor)
+                if value is not None:
+                    return value
+            return read(tensor)
+
+        return answered
 
     torch._is_all_true = keep
-    functional.__bool__ = answered
+    for name in _READERS:
+        setattr(functional, name, answering(name))
     try:
         with _IndexChecks():
             yield
     finally:
         torch._is_all_true = checking
-        functional.__bool__ = truth
+        for name in _READERS:
+            if name in own:
+                setattr(functional, name, own[name])
+            else:
+                delattr(functional, name)
 
 
 @contextlib.contextmanager
-def kept(branches: Branches | None = None) -> Iterator[list[torch.Tensor]]:
-    """The checks the forward run in this block defers (`deferred`), in order. `branches`: what
-    each `bool(tensor)` of the first call returned (`recording`), which answers the trace's
-    (None: unknown; a branch on a value then fails the trace)."""
-    previous = getattr(_state, "kept", None), getattr(_state, "branches", None)
+def kept(reads: Reads | None = None) -> Iterator[list[torch.Tensor]]:
+    """The checks the forward run in this block defers (`deferred`), in order. `reads`: what
+    the first call read from tensors (`recording`), which answers the trace's reads (None:
+    unknown; a read of a value then fails the trace)."""
+    previous = getattr(_state, "kept", None), getattr(_state, "reads", None)
     _state.kept = checks = []
-    _state.branches = None if branches is None else _Branches(branches)
+    _state.reads = None if reads is None else _Reads(reads)
     try:
         yield checks
     finally:
-        _state.kept, _state.branches = previous
+        _state.kept, _state.reads = previous
 
 
 def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
@@ -99,20 +113,37 @@ def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([check.all() for check in checks]).all()
 
 
-# (file, line, count at that line) of each `bool(tensor)` a call made -> what it returned
-Branches = tuple[tuple[str, int, int, bool], ...]
+# The methods by which Python code reads a tensor's value: `if t:`, `int(t)`, `float(t)`,
+# `operator.index(t)` (a tensor as an index or a size), `t.item()`, `t.tolist()`.
+_READERS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist")
+
+# The ops whose output length is read from data (`selections.py`), by where code calls them.
+_SIZED_OPS = ((torch, "nonzero"), (torch, "where"), (torch, "masked_select"),
+              (torch, "repeat_interleave"), (torch.Tensor, "nonzero"),
+              (torch.Tensor, "masked_select"), (torch.Tensor, "repeat_interleave"))
+
+# A `tolist()` of more elements is not recorded (its trace then fails, as before): a list that
+# long is data (token ids), which the next call would not repeat.
+LARGEST_LIST = 4096
+
+# (file, line, count at that line) of each value a call read from a tensor -> what it read
+Reads = tuple[tuple[str, int, int, Any], ...]
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, int, int, bool]]]:
-    """What each `bool(tensor)` made in this block (on this thread) returned, by where it was
-    made (`Branches`). `Tensor.__bool__` is wrapped while any thread records: a torch function
-    mode would do, but an active mode turns off eager's fast paths (`nn.TransformerEncoder`'s
-    nested tensors), and the call must be eager's own."""
-    values: list[tuple[str, int, int, bool]] = []
+def recording() -> Iterator[list[tuple[str, int, int, Any]]]:
+    """What each value read from a tensor in this block (on this thread) returned, and each
+    length an op read from data (`selections.py`), by where it was read (`Reads`). The readers
+    of `torch.Tensor` and those ops are wrapped while any thread records: a torch function mode
+    would do, but an active mode turns off eager's inference fast paths
+    (`nn.TransformerEncoder`'s nested tensors), and the call must be eager's own. Boolean-mask
+    indexing is the exception (`_BooleanIndexRecorded`)."""
+    values: list[tuple[str, int, int, Any]] = []
     recorders = _state.__dict__.setdefault("recorders", [])
     recorders.append((values, {}))
-    with _truth_recorded():
+    indexing = _BooleanIndexRecorded() if torch.is_grad_enabled() and len(recorders) == 1 \
+        else contextlib.nullcontext()
+    with _reads_recorded(), indexing:
         try:
             yield values
         finally:
@@ -124,12 +155,16 @@ _recording_threads = 0
 
 
 @contextlib.contextmanager
-def _truth_recorded() -> Iterator[None]:
-    """`Tensor.__bool__` records (`_recorded_truth`) while any thread is in this block."""
+def _reads_recorded() -> Iterator[None]:
+    """`torch.Tensor`'s readers and the ops of `_SIZED_OPS` record (`_recorded`,
+    `_length_recorded`) while any thread is in this block."""
     global _recording_threads
     with _recording:
         if _recording_threads == 0:
-            torch.Tensor.__bool__ = _recorded_truth  # type: ignore[method-assign]
+            for name in _READERS:  # `TensorBase`'s, inherited, outside the block
+                setattr(torch.Tensor, name, _recorded(getattr(torch._C.TensorBase, name)))
+            for owner, name in _SIZED_OPS:
+                setattr(owner, name, _length_recorded(name, getattr(owner, name)))
         _recording_threads += 1
     try:
         yield
@@ -137,15 +172,73 @@ def _truth_recorded() -> Iterator[None]:
         with _recording:
             _recording_threads -= 1
             if _recording_threads == 0:
-                del torch.Tensor.__bool__
+                for name in _READERS:
+                    delattr(torch.Tensor, name)
+                for owner, name in _SIZED_OPS:
+                    if owner is torch.Tensor:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, getattr(owner, name).__wrapped__)
 
 
-def _recorded_truth(tensor: torch.Tensor) -> bool:
-    """`bool(tensor)`, kept by this thread's recordings (none on other threads)."""
-    value = torch._C.TensorBase.__bool__(tensor)
-    for values, counts in getattr(_state, "recorders", ()):  # called by the frame above
-        values.append((*_site(sys._getframe(1), counts), value))
-    return value
+def _recorded(read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    def recorded(tensor: torch.Tensor) -> Any:
+        """The value read, kept by this thread's recordings (none on other threads)."""
+        value = read(tensor)
+        for values, counts in getattr(_state, "recorders", ()):  # read by the frame above
+            site = _site(sys._getframe(1), counts)
+            if tensor.numel() <= LARGEST_LIST:
+                values.append((*site, value))
+        return value
+
+    return recorded
+
+
+class _BooleanIndexRecorded(TorchFunctionMode):
+    """Records the length of each `x[mask]` (a boolean mask) of a call, read or written, on
+    this thread.
+    `Tensor.__getitem__` cannot be wrapped as the readers are: a Python `__getitem__` on the
+    class makes every tensor a sequence to CPython (`torch.tensor` of a list of 0-d tensors
+    then fails). This mode is entered only where grad is enabled: the fast paths that an active
+    mode turns off (`nn.MultiheadAttention`'s, `nn.TransformerEncoder`'s) run without grad
+    only, so a call with grad is eager's own under it too."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        result = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in ("__getitem__", "__setitem__"):
+            sized = selections.form(name, args, kwargs or {})
+            if sized is not None:
+                _record(_caller(sys._getframe(1)), sized.length(result))
+        return result
+
+
+def _record(frame: Any, value: Any) -> None:
+    """Keeps `value`, read at `frame`, in this thread's recordings."""
+    for values, counts in getattr(_state, "recorders", ()):
+        values.append((*_site(frame, counts), value))
+
+
+def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        """The op's result; its length, where data gave it, kept by this thread's recordings."""
+        result = op(*args, **kwargs)
+        sized = selections.form(name, args, kwargs) if getattr(_state, "recorders", ()) \
+            else None
+        if sized is not None:
+            _record(sys._getframe(1), sized.length(result))  # called by the frame above
+        return result
+
+    return recorded
+
+
+def _caller(frame: Any) -> Any:
+    """The frame of the code that called the op a torch function mode was handed: the trace's
+    own function modes may stand between (`proxy_tensor`'s, in the joint trace)."""
+    while frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    return frame
 
 
 def _site(frame: Any, counts: dict[tuple[str, int], int]) -> tuple[str, int, int]:
@@ -156,22 +249,35 @@ def _site(frame: Any, counts: dict[tuple[str, int], int]) -> tuple[str, int, int
     return (*line, count)
 
 
-class _Branches:
-    """The trace's answers to `bool(tensor)`: the first call's at the same place, each kept as
-    a check that the tensor gives it."""
+class _Reads:
+    """The trace's answers to values read from tensors: the first call's at the same place, each
+    kept as a check that the tensor holds it."""
 
-    def __init__(self, values: Branches) -> None:
+    def __init__(self, values: Reads) -> None:
         self.values = {(file, line, count): value for file, line, count, value in values}
         self._counts: dict[tuple[str, int], int] = {}
 
-    def answer(self, tensor: torch.Tensor, frame: Any) -> bool | None:
-        """The recorded value where `frame` made a `bool(tensor)` the first call made too
-        (kept as a check), else None."""
+    def answer(self, frame: Any, read: Callable[[], torch.Tensor]) -> Any:
+        """The recorded value where `frame` read a value as the first call did there, else
+        None; the check that `read()`, the tensor it was read from, holds it is kept."""
         value = self.values.get(_site(frame, self._counts))
         if value is not None:
-            held = tensor if tensor.dtype == torch.bool else tensor != 0
-            torch._is_all_true(held if value else held.logical_not())
+            tensor = read()
+            if tensor.numel():
+                torch._is_all_true(_holds(tensor, value))
         return value
+
+
+def _holds(tensor: torch.Tensor, value: Any) -> torch.Tensor:
+    """Whether `tensor` holds `value`, read by one of `_READERS` (a `bool` of a number: that
+    it is not zero)."""
+    if isinstance(value, list):
+        return tensor == torch.tensor(value, dtype=tensor.dtype, device=tensor.device)
+    if isinstance(value, bool) and tensor.dtype != torch.bool:
+        return (tensor != 0) == value
+    if isinstance(value, int) and not isinstance(value, bool) and tensor.is_floating_point():
+        return tensor.trunc() == value  # `int(x)` of a float
+    return tensor == value
 
 
 def _in_range(index: torch.Tensor, size: int, allowed: int | None = None) -> torch.Tensor:
@@ -221,10 +327,19 @@ def _index(args: tuple, kwargs: dict) -> torch.Tensor:
 
 class _IndexChecks(TorchFunctionMode):
     """While a forward runs in a trace (`kept` open): the index arguments of the functions in
-    `_CHECKS` are kept as checks (`_is_all_true`, which `deferred` keeps)."""
+    `_CHECKS` are kept as checks (`_is_all_true`, which `deferred` keeps), and an op whose
+    output length is read from data is made with the first call's length (`selections.py`),
+    where it is recorded, with the check that the data gives it."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        reads = getattr(_state, "reads", None)
+        sized = None if reads is None else selections.form(
+            getattr(func, "__name__", ""), args, kwargs)
+        if sized is not None:
+            length = reads.answer(_caller(sys._getframe(1)), sized.count)
+            if length is not None:
+                return sized.made(length)
         check = _CHECKS.get(func)
         if check is not None and getattr(_state, "kept", None) is not None:
             try:

@@ -442,11 +442,12 @@ def describe(error: Exception) -> str:
         or type(error).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
         or "data-dependent" in message
         or "data dependent" in message
+        or ".numpy()" in message
     ):
         return (
             "the forward depends on tensor values (a branch or loop on a tensor's value, "
-            "`nonzero()` sizes, `.item()` or `.tolist()`), which one graph cannot capture: "
-            f"{type(error).__name__}: {message}"
+            "a size from data, a value read through NumPy) that one graph cannot capture "
+            f"as its first call read them: {type(error).__name__}: {message}"
         )
     return f"tracing failed: {type(error).__name__}: {message}"
 
@@ -521,8 +522,9 @@ class Functional:
     `_unsafe_view`, which is no view. Such an output is cloned, so it is a root here as in
     eager (`h @ h.transpose(1, 2)` returned by a module ran in parts before).
 
-    `branches`: what each `bool(tensor)` of the first call returned (`checks.recording`): the
-    trace takes each branch on a value as that call did, and its check joins the others.
+    `reads`: what the first call read from tensors' values (`checks.recording`): the trace
+    reads each value as that call did (a branch taken the same way, a size, a list), and the
+    check that the value is the same joins the others.
     """
 
     def __init__(
@@ -535,10 +537,10 @@ class Functional:
         mask: Sequence[bool] | None,
         sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
         own_roots: Sequence[bool] = (),
-        branches: checks.Branches | None = None,
+        reads: checks.Reads | None = None,
     ) -> None:
         self.original = _Original(module, forward)
-        self.branches = branches
+        self.reads = reads
         self.names = [f"inner.{name}" for name in state_names]
         self.rebuild, self.tensors_of, self.sized_of = rebuild, tensors_of, sized_of
         self.mask = mask
@@ -555,7 +557,7 @@ class Functional:
         args, kwargs = self.rebuild(list(primals[count:]))
         given = _contents(args, kwargs)
         storages = list(map(private.storage_id, primals))
-        with eager_mode(), checks.kept(self.branches) as made:
+        with eager_mode(), checks.kept(self.reads) as made:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
         replaced = [i for i, (primal, storage) in enumerate(zip(primals, storages))
                     if private.storage_id(primal) != storage]

@@ -1,0 +1,151 @@
+"""Ops whose output's length is read from data, made with the length the first call read.
+
+`x[mask]` (a boolean mask; and `x[mask] = value`, whose backward selects so), `nonzero`,
+one-argument `torch.where`, `masked_select` and `repeat_interleave` by a tensor of repeats
+return as many rows as the data says: a trace cannot size them, so a model using one ran in
+parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`; X-MOD runs each language's
+rows through its adapter by a mask; Qwen2-VL's vision tower numbers its images' patches by
+`repeat_interleave`). Where every call has the same length (a fixed masking ratio, one
+language per batch, images of one size), the first call's is the graph's (`checks.py` records
+it, by the line that made it, and keeps the check that the data gives the same length): the
+selection becomes a `topk` of the positions of the True elements (ascending: `nonzero`'s
+order) and a gather or a scatter of those rows, and `repeat_interleave` picks each output
+row's source by the running total of its repeats (ONNX has no such op). A call with another
+length fails the check and runs in eager PyTorch; one whose length changes every call ends in
+parts, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """How one call's output length comes from its data."""
+
+    length: Callable[[Any], int]  # of the op's result
+    count: Callable[[], torch.Tensor]  # the tensor that holds that length (the check's)
+    made: Callable[[int], Any]  # the op's result, of that length
+
+
+def form(name: str, args: tuple, kwargs: dict) -> Form | None:
+    """The form of a call of the op or method `name` whose output length is read from data, or
+    None (another op, or a call of it whose length the shapes give)."""
+    if name == "__getitem__" and len(args) == 2 and _is_mask(args[1]):
+        return _boolean_index(*args)
+    if name == "__setitem__" and len(args) == 3 and _is_mask(args[1]):
+        return _boolean_assignment(*args)
+    if name == "nonzero" and len(args) == 1 and set(kwargs) <= {"as_tuple"} \
+            and args[0].dim() > 0:
+        return _nonzero(args[0], bool(kwargs.get("as_tuple", False)))
+    if name == "where" and len(args) == 1 and not kwargs and args[0].dim() > 0:
+        return _nonzero(args[0], True)
+    if name == "masked_select" and len(args) == 2 and not kwargs and _is_mask(args[1]):
+        return _masked_select(*args)
+    if name == "repeat_interleave":
+        return _repeat_interleave(args, kwargs)
+    return None
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.dim() > 0
+
+
+def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The flat positions of the `count` non-zero elements of `mask`, ascending."""
+    flat = mask.reshape(-1) != 0
+    positions = torch.arange(flat.numel(), device=mask.device)
+    return torch.where(flat, positions, positions + flat.numel()).topk(
+        count, largest=False).indices
+
+
+def _boolean_index(x: torch.Tensor, mask: torch.Tensor) -> Form | None:
+    """`x[mask]`, a mask over the leading dimensions of `x`."""
+    dims = mask.dim()
+    if x.shape[:dims] != mask.shape:
+        return None
+    return Form(
+        length=lambda result: result.shape[0],
+        count=lambda: mask.sum(),
+        made=lambda count: x.flatten(0, dims - 1)[_true_positions(mask, count)],
+    )
+
+
+def _boolean_assignment(x: torch.Tensor, mask: torch.Tensor, value: Any) -> Form | None:
+    """`x[mask] = value`: its length is the selection's, which the backward reads (the
+    gradient of `value` is the output gradient's `[mask]`)."""
+    dims = mask.dim()
+    if x.shape[:dims] != mask.shape:
+        return None
+
+    def made(count: int) -> None:
+        rows = torch.unravel_index(_true_positions(mask, count), mask.shape)
+        x.index_put_(rows, torch.as_tensor(value, dtype=x.dtype, device=x.device))
+
+    # (`TensorBase.item`: `recording` wraps the tensor's own readers)
+    return Form(length=lambda result: torch._C.TensorBase.item(mask.sum()),
+                count=lambda: mask.sum(), made=made)
+
+
+def _nonzero(x: torch.Tensor, as_tuple: bool) -> Form:
+    def made(count: int) -> Any:
+        rows = torch.unravel_index(_true_positions(x, count), x.shape)
+        return rows if as_tuple else torch.stack(rows, dim=1)
+
+    return Form(
+        length=lambda result: (result[0] if as_tuple else result).shape[0],
+        count=lambda: (x != 0).sum(),
+        made=made,
+    )
+
+
+def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> Form:
+    def made(count: int) -> torch.Tensor:
+        values, where = torch.broadcast_tensors(x, mask)
+        return values.reshape(-1)[_true_positions(where, count)]
+
+    return Form(
+        length=lambda result: result.shape[0],
+        count=lambda: torch.broadcast_tensors(x, mask)[1].sum(),
+        made=made,
+    )
+
+
+def _repeat_interleave(args: tuple, kwargs: dict) -> Form | None:
+    """`repeat_interleave(repeats)`, or `x.repeat_interleave(repeats, dim)` with a tensor of
+    repeats and no `output_size`."""
+    if kwargs.get("output_size") is not None or not args:
+        return None
+    if len(args) == 1 and not kwargs:
+        x, repeats, dim = None, args[0], 0
+    elif len(args) >= 2:
+        x, repeats, dim = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("dim")
+    else:
+        return None
+    if not isinstance(repeats, torch.Tensor) or len(args) > 3:
+        return None
+    along = None if x is None else x.numel() if dim is None else x.shape[dim]
+
+    def made(count: int) -> torch.Tensor:
+        """Which row each output row repeats, counted against the running total of the
+        repeats (ONNX has no such op)."""
+        each = repeats.reshape(-1)
+        if along is not None and each.numel() == 1:
+            each = each.expand(along)
+        ends = each.cumsum(0)
+        rows = (torch.arange(count, device=each.device)[:, None] >= ends).sum(1)
+        if x is None:
+            return rows.to(repeats.dtype)
+        return (x.reshape(-1) if dim is None else x).index_select(0 if dim is None else dim, rows)
+
+    return Form(
+        length=lambda result: result.shape[0 if dim is None else dim],
+        count=lambda: repeats.sum() if along is None or repeats.numel() != 1
+        else repeats.reshape(()) * along,
+        made=made,
+    )
