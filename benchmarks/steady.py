@@ -3,7 +3,8 @@
 Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
 median over rounds of lazygrad's step over eager's in the same round), after each model's
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
-(capture/peephole.py), with ORT's CPU memory arena (session.py) and with layer-wise
+(capture/peephole.py), without the cap on ORT's constant folding (session.py: every
+constant folded, whatever its size), with ORT's CPU memory arena (session.py) and with layer-wise
 recomputation (`recompute_layers`, capture/layers.py: its cost), so each one's effect is
 measured in the same rounds as the rest, under the same load. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
@@ -23,11 +24,13 @@ from collections.abc import Callable, Iterator
 import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
+from lazygrad import session
 from lazygrad.capture import peephole
 
 # peer -> (what its graphs are built without, its options to lazygrad.lazy)
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, no peephole": (("peephole",), {}),
+    "lazygrad, constants folded uncapped": (("folding cap",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
@@ -35,14 +38,17 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
 
 @contextlib.contextmanager
 def without(parts: tuple[str, ...]) -> Iterator[None]:
-    """Graphs built inside the block lack `parts` ("peephole": its rewrites)."""
-    rules = peephole.RULES
+    """Graphs built inside the block lack `parts` ("peephole": its rewrites; "folding cap":
+    the cap on ORT's constant folding, for the sessions made in the block)."""
+    rules, cap = peephole.RULES, session.FOLDED_AT_MOST
     if "peephole" in parts:
         peephole.RULES = []
+    if "folding cap" in parts:
+        session.FOLDED_AT_MOST = 0  # ORT's "no cap"
     try:
         yield
     finally:
-        peephole.RULES = rules
+        peephole.RULES, session.FOLDED_AT_MOST = rules, cap
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:

@@ -32,6 +32,14 @@ COMPLEX_OUTPUTS = "lazygrad.complex_outputs"
 # SkipLayerNormFusion loses LayerNormalization's Mean/InvStdDev, GatherToSliceFusion a Range.
 DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]
 
+# The largest result ORT's constant folding may make (bytes). Without a cap it folds a gradient's
+# zeros (`ConstantOfShape` of a static shape: the embedding gradient's [vocabulary, hidden],
+# before the scatter-add of its rows) into an initializer the session keeps for good, which
+# each run copies anyway. Measured on workload A's backward (benchmarks/memory_targets.py): the
+# session of its second segment took 38 MiB on creation, 8 MiB with this cap. Shape arithmetic
+# and small masks, well under it, are still folded.
+FOLDED_AT_MOST = 1 << 20
+
 
 class GraphRunError(RuntimeError):
     """ORT cannot load or run a graph on these inputs (no kernel for a dtype, a shape mismatch)."""
@@ -91,6 +99,8 @@ class GraphSession:
         # back as exceptions that the runtime explains; printed as well, they would mislead.
         options.log_severity_level = 4
         options.graph_optimization_level = level
+        options.add_session_config_entry(
+            "optimization.constant_folding_max_output_size_in_bytes", str(FOLDED_AT_MOST))
         if self.in_node_order:
             options.execution_order = onnxruntime.ExecutionOrder.PRIORITY_BASED
         # No arena by default: ORT then allocates with the C allocator torch uses, so the two

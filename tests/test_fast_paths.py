@@ -4,14 +4,17 @@ And the sessions' thread settings."""
 
 from __future__ import annotations
 
+import math
 import threading
 
+import onnx
+import onnxruntime
 import pytest
 import torch
 from onnx import TensorProto, helper
 
 from lazygrad.module_state import ModuleState
-from lazygrad.session import GraphSession
+from lazygrad.session import FOLDED_AT_MOST, GraphSession
 from lazygrad.signature import LastSignature, flatten_call, signature_of
 
 
@@ -84,6 +87,40 @@ def test_sessions_use_torchs_thread_count_and_do_not_spin():
             assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_gradients_zeros_are_made_each_run_not_kept_as_a_folded_constant(tmp_path):
+    """An embedding's gradient starts as zeros of the table's static shape (ConstantOfShape),
+    rows added by a scatter. ORT's constant folding made those zeros an initializer the
+    session kept for good (38 MiB for workload A's vocabulary, whose whole-process peak it
+    raised); capped, the session makes them each run. The graph ORT runs, written by the same
+    session options, holds no constant that large, and the result is right."""
+    width = 64
+    rows = 2 * FOLDED_AT_MOST // (4 * width)  # float32 zeros of twice the cap
+    zeros = helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                             value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    scatter = helper.make_node("ScatterElements", ["zeros", "index", "updates"], ["grad"],
+                               reduction="add")
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [rows, width])
+    graph = helper.make_graph(
+        [zeros, scatter], "embedding_gradient",
+        [helper.make_tensor_value_info("index", TensorProto.INT64, [3, width]),
+         helper.make_tensor_value_info("updates", TensorProto.FLOAT, [3, width])],
+        [helper.make_tensor_value_info("grad", TensorProto.FLOAT, [rows, width])], [shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = GraphSession(model, torch.device("cpu"))
+    index = torch.tensor([[5] * width, [7] * width, [5] * width])
+    updates = torch.randn(3, width)
+    (grad,) = session.run([index, updates])
+    expected = torch.zeros(rows, width).index_add_(0, index[:, 0], updates)
+    torch.testing.assert_close(grad, expected)
+    options = session._session.get_session_options()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                 providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    sizes = [math.prod(tensor.dims) for tensor in optimized.graph.initializer]
+    assert max(sizes, default=0) < rows * width, sizes
 
 
 def test_threads_run_one_session_at_once_each_on_its_own_binding():
