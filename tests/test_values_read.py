@@ -336,10 +336,11 @@ def _masked_rows(generator: torch.Generator, masked: int = 9) -> torch.Tensor:
 
 def test_lengths_of_selections_from_data_are_the_first_calls_and_checked_every_call():
     """`x[mask]`, `nonzero`, `masked_select`, one-argument `torch.where` and
-    `repeat_interleave` by a tensor made the trace fail (an output length from data), so the module ran in parts. The
-    graph now selects as many rows as the first call did, wherever the data puts them, and
-    checks the count: calls with the same number of masked rows (other rows each time) run
-    through ORT, one with another number in eager PyTorch. Every step is eager's."""
+    `repeat_interleave` by a tensor made the trace fail (an output length from data), so the
+    module ran in parts. The graph now selects as many rows as the first call did, wherever
+    the data puts them, and checks the count: calls with the same number of masked rows
+    (other rows each time) run through ORT, one with another number in eager PyTorch. Every
+    step is eager's."""
     torch.manual_seed(0)
     eager = KeepsUnmaskedRows()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
