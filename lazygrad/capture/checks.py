@@ -334,8 +334,8 @@ class _IndexChecks(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         reads = getattr(_state, "reads", None)
-        sized = None if reads is None else selections.form(
-            getattr(func, "__name__", ""), args, kwargs)
+        sized = selections.form(getattr(func, "__name__", ""), args, kwargs) \
+            if reads is not None and reads.values else None
         if sized is not None:
             length = reads.answer(_caller(sys._getframe(1)), sized.count)
             if length is not None:

@@ -12,7 +12,8 @@ selection becomes a `topk` of the positions of the True elements (ascending: `no
 order) and a gather or a scatter of those rows, and `repeat_interleave` picks each output
 row's source by the running total of its repeats (ONNX has no such op). A call with another
 length fails the check and runs in eager PyTorch; one whose length changes every call ends in
-parts, as before.
+parts, as before. A length of 0 fails the build's run of the graph (ORT made one row of the
+exported selection of none, and a scatter of none failed): that module runs in parts.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Form:
 def form(name: str, args: tuple, kwargs: dict) -> Form | None:
     """The form of a call of the op or method `name` whose output length is read from data, or
     None (another op, or a call of it whose length the shapes give)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
     if name == "__getitem__" and len(args) == 2 and _is_mask(args[1]):
         return _boolean_index(*args)
     if name == "__setitem__" and len(args) == 3 and _is_mask(args[1]):
