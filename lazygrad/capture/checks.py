@@ -196,12 +196,12 @@ def _recorded(read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], A
 
 class _BooleanIndexRecorded(TorchFunctionMode):
     """Records the length of each `x[mask]` (a boolean mask) of a call, read or written, on
-    this thread.
-    `Tensor.__getitem__` cannot be wrapped as the readers are: a Python `__getitem__` on the
-    class makes every tensor a sequence to CPython (`torch.tensor` of a list of 0-d tensors
-    then fails). This mode is entered only where grad is enabled: the fast paths that an active
-    mode turns off (`nn.MultiheadAttention`'s, `nn.TransformerEncoder`'s) run without grad
-    only, so a call with grad is eager's own under it too."""
+    this thread. `Tensor.__getitem__` cannot be wrapped as the readers are: a Python
+    `__getitem__` on the class makes every tensor a sequence to CPython (`torch.tensor` of a
+    list of 0-d tensors then fails). This mode is entered only where grad is enabled: the fast
+    paths that an active mode turns off (`nn.MultiheadAttention`'s, `nn.TransformerEncoder`'s)
+    run without grad only, so a call with grad is eager's own under it too. (A reader called
+    under it records twice, the second time at this file's line, which no trace asks for.)"""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         result = func(*args, **(kwargs or {}))

@@ -319,8 +319,9 @@ def failing_submodule(error: BaseException, names: dict[int, str]) -> str | None
 
 def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
     """A size that depends on tensor values (`nonzero()`, boolean-mask indexing, `.item()` as
-    a size) traces as an unbacked symbol: each call could route differently, so no graph is
-    built for it."""
+    a size) that the first call's record does not give (`checks.py`: `torch.unique`, a read
+    inside torch's own C++) traces as an unbacked symbol: each call could route differently,
+    so no graph is built for it."""
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         values = value if isinstance(value, (list, tuple)) else [value]
