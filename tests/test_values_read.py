@@ -312,7 +312,7 @@ class KeepsUnmaskedRows(torch.nn.Module):
     sample, `x[~masked]`) and weighs each by its segment, numbered by `repeat_interleave` of
     the segment lengths (as Qwen2-VL's vision tower numbers its images' patches); a second
     output sums a `masked_select` of one feature and the masked coordinates (`torch.where`
-    of one argument, `nonzero`)."""
+    of one argument, `nonzero`, `argwhere`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -326,7 +326,8 @@ class KeepsUnmaskedRows(torch.nn.Module):
         first = torch.masked_select(h[..., 0], masked)
         sample, position = torch.where(masked)
         return (self.encode(torch.tanh(kept)).mean(1),
-                first.sum() + (sample * position).sum() + masked.nonzero().sum())
+                first.sum() + (sample * position).sum() + masked.nonzero().sum()
+                + masked.argwhere()[:, 1].sum())
 
 
 def _masked_rows(generator: torch.Generator, masked: int = 9) -> torch.Tensor:

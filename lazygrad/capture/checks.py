@@ -118,8 +118,8 @@ def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
 _READERS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist")
 
 # The ops whose output length is read from data (`selections.py`), by where code calls them.
-_SIZED_OPS = ((torch, "nonzero"), (torch, "where"), (torch, "masked_select"),
-              (torch, "repeat_interleave"), (torch.Tensor, "nonzero"),
+_SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch, "masked_select"),
+              (torch, "repeat_interleave"), (torch.Tensor, "nonzero"), (torch.Tensor, "argwhere"),
               (torch.Tensor, "masked_select"), (torch.Tensor, "repeat_interleave"))
 
 # A `tolist()` of more elements is not recorded (its trace then fails, as before): a list that

@@ -1,19 +1,19 @@
 """Ops whose output's length is read from data, made with the length the first call read.
 
-`x[mask]` (a boolean mask; and `x[mask] = value`, whose backward selects so), `nonzero`,
-one-argument `torch.where`, `masked_select` and `repeat_interleave` by a tensor of repeats
-return as many rows as the data says: a trace cannot size them, so a model using one ran in
-parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`; X-MOD runs each language's
-rows through its adapter by a mask; Qwen2-VL's vision tower numbers its images' patches by
-`repeat_interleave`). Where every call has the same length (a fixed masking ratio, one
-language per batch, images of one size), the first call's is the graph's (`checks.py` records
-it, by the line that made it, and keeps the check that the data gives the same length): the
-selection becomes a `topk` of the positions of the True elements (ascending: `nonzero`'s
-order) and a gather or a scatter of those rows, and `repeat_interleave` picks each output
-row's source by the running total of its repeats (ONNX has no such op). A call with another
-length fails the check and runs in eager PyTorch; one whose length changes every call ends in
-parts, as before. A length of 0 fails the build's run of the graph (ORT made one row of the
-exported selection of none, and a scatter of none failed): that module runs in parts.
+`x[mask]` (a boolean mask; and `x[mask] = value`, whose backward selects so), `nonzero` (and
+`argwhere`), one-argument `torch.where`, `masked_select` and `repeat_interleave` by a tensor
+of repeats return as many rows as the data says: a trace cannot size them, so a model using one
+ran in parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`; X-MOD runs each
+language's rows through its adapter by a mask; Qwen2-VL's vision tower numbers its images'
+patches by `repeat_interleave`). Where every call has the same length (a fixed masking ratio,
+one language per batch, images of one size), the first call's is the graph's (`checks.py`
+records it, by the line that made it, and keeps the check that the data gives the same
+length): the selection becomes a `topk` of the positions of the True elements (ascending:
+`nonzero`'s order) and a gather or a scatter of those rows, and `repeat_interleave` picks each
+output row's source by the running total of its repeats (ONNX has no such op). A call with
+another length fails the check and runs in eager PyTorch; one whose length changes every call
+ends in parts, as before. A length of 0 fails the build's run of the graph (ORT made one row
+of the exported selection of none, and a scatter of none failed): that module runs in parts.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def form(name: str, args: tuple, kwargs: dict) -> Form | None:
     if name == "nonzero" and len(args) == 1 and set(kwargs) <= {"as_tuple"} \
             and args[0].dim() > 0:
         return _nonzero(args[0], bool(kwargs.get("as_tuple", False)))
+    if name == "argwhere" and len(args) == 1 and not kwargs and args[0].dim() > 0:
+        return _nonzero(args[0], False)
     if name == "where" and len(args) == 1 and not kwargs and args[0].dim() > 0:
         return _nonzero(args[0], True)
     if name == "masked_select" and len(args) == 2 and not kwargs and _is_mask(args[1]):
