@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols
-from lazygrad.session import GraphSession
+from lazygrad.session import GraphRunError, GraphSession
 
 
 class ChecksFailed(Exception):
-    """An argument check the forward makes (a distribution's `validate_args`) did not hold:
-    the call runs again in eager PyTorch, which raises the check's own error."""
+    """An argument check the forward makes (a distribution's `validate_args`) did not hold, or a
+    value the trace read as the first call did differs: the call runs again in eager PyTorch,
+    which raises the check's own error or reads the other value. Its message: ORT's error, where
+    the graph failed before its checks could say so."""
 
 
 class GraphPair:
@@ -116,12 +118,20 @@ class GraphPair:
         """The forward graph's results: mutated state, output bases, saved tensors. Raises
         `ChecksFailed` where the forward's checks (of arguments, and of the values the trace
         read as the first call did: `checks.py`) did not all hold, unless not `checked` (the
-        build's check, which compares that result as any other)."""
+        build's check, which compares that result as any other). A graph with checks that fails
+        in ORT raises `ChecksFailed` too: its ops assume what the checks check (`unique`'s
+        inverse indexes as many values as the first call had; a sixth distinct value gathers
+        past the fifth), so an error there is data its checks would have refused."""
         session = self.session("forward", device)
         values = [*primals, *draws]
         positions = self._feed_positions("forward", len(primals), len(draws))
-        results = session.run(list(map(values.__getitem__, positions)))
         check = self.graphs.check
+        try:
+            results = session.run(list(map(values.__getitem__, positions)))
+        except GraphRunError as error:
+            if checked and check is not None:
+                raise ChecksFailed(str(error)) from None
+            raise
         if checked and check is not None and not bool(results[check]):
             raise ChecksFailed
         return results

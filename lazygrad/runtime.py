@@ -415,15 +415,16 @@ class Runtime:
                 roots = self._infer(pair, primals, env, device)
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
-        except ChecksFailed:  # eager raises the check's own error, or takes the other branch
+        except ChecksFailed as failed:  # eager raises the check's error, or reads the other value
             with self._lock:
                 self.stats.eager_steps += 1
                 missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
                 calls = found.stats.hits + missed
             if missed >= CHECK_MISSES and missed * 5 >= calls:
+                last = f" (the last in ORT: {failed})" if str(failed) else ""
                 self._give_up(signature, "the checks its graph makes on tensor values (a branch "
                               "or a number read as its first call read it) failed in "
-                              f"{missed} of {calls} calls, each run again in eager PyTorch")
+                              f"{missed} of {calls} calls, each run again in eager PyTorch{last}")
             return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))

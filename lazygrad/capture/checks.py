@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -119,8 +120,9 @@ _READERS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist")
 
 # The ops whose output length is read from data (`selections.py`), by where code calls them.
 _SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch, "masked_select"),
-              (torch, "repeat_interleave"), (torch.Tensor, "nonzero"), (torch.Tensor, "argwhere"),
-              (torch.Tensor, "masked_select"), (torch.Tensor, "repeat_interleave"))
+              (torch, "repeat_interleave"), (torch, "unique"), (torch.Tensor, "nonzero"),
+              (torch.Tensor, "argwhere"), (torch.Tensor, "masked_select"),
+              (torch.Tensor, "repeat_interleave"), (torch.Tensor, "unique"))
 
 # A `tolist()` of more elements is not recorded (its trace then fails, as before): a list that
 # long is data (token ids), which the next call would not repeat.
@@ -175,10 +177,12 @@ def _reads_recorded() -> Iterator[None]:
                 for name in _READERS:
                     delattr(torch.Tensor, name)
                 for owner, name in _SIZED_OPS:
-                    if owner is torch.Tensor:
-                        delattr(owner, name)
+                    original = getattr(owner, name).__wrapped__
+                    if owner is torch.Tensor and original is getattr(torch._C.TensorBase, name,
+                                                                     None):
+                        delattr(owner, name)  # inherited again
                     else:
-                        setattr(owner, name, getattr(owner, name).__wrapped__)
+                        setattr(owner, name, original)
 
 
 def _recorded(read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
@@ -222,21 +226,34 @@ def _record(frame: Any, value: Any) -> None:
 def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(op)
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        """The op's result; its length, where data gave it, kept by this thread's recordings."""
-        result = op(*args, **kwargs)
-        sized = selections.form(name, args, kwargs) if getattr(_state, "recorders", ()) \
-            else None
+        """The op's result; its length, where data gave it, kept by this thread's recordings
+        (once: `Tensor.unique` calls `torch.unique`, which records nothing of its own)."""
+        if getattr(_state, "sizing", False) or not getattr(_state, "recorders", ()):
+            return op(*args, **kwargs)
+        _state.sizing = True
+        try:
+            result = op(*args, **kwargs)
+        finally:
+            _state.sizing = False
+        sized = selections.form(name, args, kwargs)
         if sized is not None:
-            _record(sys._getframe(1), sized.length(result))  # called by the frame above
+            _record(_caller(sys._getframe(1)), sized.length(result))
         return result
 
     return recorded
 
 
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
 def _caller(frame: Any) -> Any:
-    """The frame of the code that called the op a torch function mode was handed: the trace's
-    own function modes may stand between (`proxy_tensor`'s, in the joint trace)."""
-    while frame.f_code.co_name == "__torch_function__":
+    """The first frame outside torch's own code and this file's, from `frame` up: the code
+    that called an op whose length is recorded or answered. Between it and a torch function
+    mode stand torch's Python (`handle_torch_function`; `torch.unique`'s own functions) and the
+    trace's other modes (`proxy_tensor`'s, in the joint trace), which eager's call does not
+    pass through."""
+    while frame.f_code.co_filename.startswith(_TORCH) or frame.f_code.co_filename == __file__ \
+            or frame.f_code.co_name == "__torch_function__":
         frame = frame.f_back
     return frame
 

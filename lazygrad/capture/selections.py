@@ -1,16 +1,17 @@
 """Ops whose output's length is read from data, made with the length the first call read.
 
 `x[mask]` (a boolean mask; and `x[mask] = value`, whose backward selects so), `nonzero` (and
-`argwhere`), one-argument `torch.where`, `masked_select` and `repeat_interleave` by a tensor
-of repeats return as many rows as the data says: a trace cannot size them, so a model using one
-ran in parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`; X-MOD runs each
-language's rows through its adapter by a mask; Qwen2-VL's vision tower numbers its images'
-patches by `repeat_interleave`). Where every call has the same length (a fixed masking ratio,
-one language per batch, images of one size), the first call's is the graph's (`checks.py`
-records it, by the line that made it, and keeps the check that the data gives the same
-length): the selection becomes a `topk` of the positions of the True elements (ascending:
-`nonzero`'s order) and a gather or a scatter of those rows, and `repeat_interleave` picks each
-output row's source by the running total of its repeats (ONNX has no such op). A call with
+`argwhere`), one-argument `torch.where`, `masked_select`, `repeat_interleave` by a tensor of
+repeats and `unique` return as many rows as the data says: a trace cannot size them, so a
+model using one ran in parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`;
+X-MOD runs each language's rows through its adapter by a mask; Qwen2-VL's vision tower numbers
+its images' patches by `repeat_interleave`). Where every call has the same length (a fixed
+masking ratio, one language per batch, images of one size), the first call's is the graph's
+(`checks.py` records it, by the line that made it, and keeps the check that the data gives the
+same length): the selection becomes a `topk` of the positions of the True elements
+(ascending: `nonzero`'s order) and a gather or a scatter of those rows, `repeat_interleave`
+picks each output row's source by the running total of its repeats (ONNX has no such op), and
+`unique` picks the first of each run of equal elements after a stable sort. A call with
 another length fails the check and runs in eager PyTorch; one whose length changes every call
 ends in parts, as before. A length of 0 fails the build's run of the graph (ORT made one row
 of the exported selection of none, and a scatter of none failed): that module runs in parts.
@@ -19,6 +20,7 @@ of the exported selection of none, and a scatter of none failed): that module ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +56,8 @@ def form(name: str, args: tuple, kwargs: dict) -> Form | None:
         return _masked_select(*args)
     if name == "repeat_interleave":
         return _repeat_interleave(args, kwargs)
+    if name == "unique":
+        return _unique(args, kwargs)
     return None
 
 
@@ -152,5 +156,44 @@ def _repeat_interleave(args: tuple, kwargs: dict) -> Form | None:
         length=lambda result: result.shape[0 if dim is None else dim],
         count=lambda: repeats.sum() if along is None or repeats.numel() != 1
         else repeats.reshape(()) * along,
+        made=made,
+    )
+
+
+def _unique(args: tuple, kwargs: dict) -> Form | None:
+    """`torch.unique(x, sorted=True, return_inverse, return_counts)` over all elements: the
+    stable sort of the elements, the first of each run of equal ones picked (the inverse: each
+    element's run, scattered back by the sort's order; the counts: the runs' lengths)."""
+    names = ("sorted", "return_inverse", "return_counts", "dim")
+    given = dict(zip(names, args[1:]), **kwargs)
+    if len(args) > 5 or set(given) - set(names) or not given.get("sorted", True) \
+            or given.get("dim") is not None or args[0].numel() == 0:
+        return None
+    x, inverse, counts = args[0], bool(given.get("return_inverse")), \
+        bool(given.get("return_counts"))
+
+    @functools.cache
+    def runs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sorted elements, the sort's order, and where each run of equal ones starts."""
+        values, order = x.reshape(-1).sort(stable=True)
+        first = torch.cat([torch.ones(1, dtype=torch.bool, device=x.device),
+                           values[1:] != values[:-1]])
+        return values, order, first
+
+    def made(count: int) -> Any:
+        values, order, first = runs()
+        starts = _true_positions(first, count)
+        results = [values[starts]]
+        if inverse:
+            run = first.cumsum(0) - 1
+            results.append(torch.zeros_like(run).scatter(0, order, run).reshape(x.shape))
+        if counts:
+            end = torch.full((1,), x.numel(), dtype=starts.dtype, device=x.device)
+            results.append(torch.diff(starts, append=end))
+        return tuple(results) if len(results) > 1 else results[0]
+
+    return Form(
+        length=lambda result: (result[0] if isinstance(result, tuple) else result).shape[0],
+        count=lambda: runs()[2].sum(),
         made=made,
     )
