@@ -144,10 +144,11 @@ def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: E
     draws = pair.draw(env, device, eager.generator(device))
     try:
         results = pair.forward(primals, draws, device)
-    except ChecksFailed:
+    except ChecksFailed as failed:
         raise VerificationError(
             "the graph's checks do not hold on the call eager PyTorch ran, with its draws: the "
-            "trace read a value otherwise than that call did (a branch, a number)") from None
+            "trace read a value otherwise than that call did (a branch, a number)"
+            + (f"; ORT: {failed}" if str(failed) else "")) from None
     outputs = pair.module_outputs(pair.roots(results, env), primals, env)
     if len(outputs) != len(eager.samples):
         raise VerificationError(

@@ -50,18 +50,19 @@ def assert_grads_equal(lazy: torch.nn.Module, eager: torch.nn.Module, what: str)
 def assert_loss_step_like_eager(
     lazy: torch.nn.Module, eager: torch.nn.Module, inputs: Sequence, what: str,
     run_lazy: Callable[..., Sequence[torch.Tensor]] | None = None,
+    loss: Callable[[Sequence[torch.Tensor]], torch.Tensor] = lambda outputs: outputs[0],
 ) -> None:
-    """One step of both models (grads zeroed, forward, backward of output 0, the loss): the
-    outputs and the gradients are eager's. `run_lazy`: how to call the lazy model (default:
-    `lazy` itself)."""
+    """One step of both models (grads zeroed, forward, backward of `loss` of the outputs:
+    output 0, the model's loss): the outputs and the gradients are eager's. `run_lazy`: how to
+    call the lazy model (default: `lazy` itself)."""
     for module in (lazy, eager):
         module.zero_grad(set_to_none=True)
     got = (run_lazy or lazy)(*inputs)
     want = eager(*inputs)
     for index, (a, b) in enumerate(zip(got, want)):
         assert_close(a.detach(), b.detach(), f"{what}: output {index}")
-    got[0].backward()
-    want[0].backward()
+    loss(got).backward()
+    loss(want).backward()
     assert_grads_equal(lazy, eager, what)
 
 

@@ -5,10 +5,16 @@ read it, checked at every call, and a call that would read another runs in eager
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal
+from conftest import (
+    assert_close,
+    assert_grads_equal,
+    assert_loss_step_like_eager,
+    squares_step_like_eager,
+)
 
 import lazygrad
 
@@ -41,16 +47,27 @@ def _step(model: torch.nn.Module, x: torch.Tensor | tuple, seed: int
     return out.detach(), torch.random.get_rng_state()
 
 
-def _steps_with_eagers_draws(lazy: torch.nn.Module, eager: torch.nn.Module,
-                             inputs: list[torch.Tensor]) -> None:
-    """A step of each model per input (`_step`, seeded by its index): the outputs, the
-    gradients and torch's generator after the step are eager's."""
+def _steps_like_eager(lazy: torch.nn.Module, eager: torch.nn.Module, inputs: list,
+                      generator: bool = False) -> None:
+    """A step of each model per input (`_step`, seeded by its index; an input: a tensor, or a
+    tuple of them): the outputs and the gradients are eager's, and with `generator` torch's
+    generator after the step too."""
     for step, x in enumerate(inputs):
-        got, got_generator = _step(lazy, x.clone(), step)
-        want, want_generator = _step(eager, x.clone(), step)
+        got, got_generator = _step(lazy, _copied(x), step)
+        want, want_generator = _step(eager, _copied(x), step)
         assert_close(got, want, f"output, step {step}")
         assert_grads_equal(lazy, eager, f"step {step}")
-        assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+        if generator:
+            assert torch.equal(got_generator, want_generator), f"generator after step {step}"
+
+
+def _copied(x: torch.Tensor | tuple) -> torch.Tensor | tuple:
+    return tuple(map(torch.clone, x)) if isinstance(x, tuple) else x.clone()
+
+
+def _squares_of(which: int) -> Callable[[Sequence[torch.Tensor]], torch.Tensor]:
+    """The loss of `assert_loss_step_like_eager`: the sum of output `which`'s squares."""
+    return lambda outputs: outputs[which].square().sum()
 
 
 def test_a_branch_on_a_value_is_taken_as_the_first_call_took_it_and_checked_every_call():
@@ -63,7 +80,7 @@ def test_a_branch_on_a_value_is_taken_as_the_first_call_took_it_and_checked_ever
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     inputs = [torch.randn(5, 8) for _ in range(6)]
     inputs[3][0] = 3e38  # overflows to infinity in the first layer
-    _steps_with_eagers_draws(lazy, eager, inputs)
+    _steps_like_eager(lazy, eager, inputs, generator=True)
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (4, 2)  # the first call, and the overflowing one
@@ -93,12 +110,8 @@ def test_each_layer_takes_its_own_branch_of_the_same_line():
     torch.manual_seed(0)
     eager = Rescales()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step, scale in enumerate([100.0, 100.0, 50.0, 1.0, 100.0]):
-        x = torch.randn(3, 4) * scale
-        got, _ = _step(lazy, x.clone(), step)
-        want, _ = _step(eager, x.clone(), step)
-        assert_close(got, want, f"output, step {step}")
-        assert_grads_equal(lazy, eager, f"step {step}")
+    _steps_like_eager(lazy, eager, [torch.randn(3, 4) * scale
+                                    for scale in [100.0, 100.0, 50.0, 1.0, 100.0]])
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and the small input
@@ -128,14 +141,7 @@ def test_a_process_served_from_the_disk_index_builds_a_new_mask_with_the_branche
         first(x)[0].sum().backward()
     second = lazygrad.lazy(copy.deepcopy(eager))
     for step, which in enumerate([0, 1, 1]):
-        for model in (second, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = second(x), eager(x)
-        for index in range(2):
-            assert_close(got[index].detach(), want[index].detach(), f"step {step}: {index}")
-        got[which].square().sum().backward()
-        want[which].square().sum().backward()
-        assert_grads_equal(second, eager, f"step {step}")
+        assert_loss_step_like_eager(second, eager, (x,), f"step {step}", loss=_squares_of(which))
     stats = lazygrad.stats(second)
     assert (stats.disk_hits, stats.eager_steps, stats.fallbacks, stats.breaks) == (1, 0, 0, 0)
 
@@ -148,13 +154,9 @@ def test_a_branch_that_keeps_going_the_other_way_sends_the_module_to_its_parts()
     torch.manual_seed(0)
     eager = Rescales()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
+    inputs = [torch.randn(3, 4) * (100.0 if step % 2 == 0 else 1.0) for step in range(14)]
     with pytest.warns(lazygrad.GraphBreakWarning, match=r"failed in 4 of 7 calls"):
-        for step in range(14):
-            x = torch.randn(3, 4) * (100.0 if step % 2 == 0 else 1.0)
-            got, _ = _step(lazy, x.clone(), step)
-            want, _ = _step(eager, x.clone(), step)
-            assert_close(got, want, f"output, step {step}")
-            assert_grads_equal(lazy, eager, f"step {step}")
+        _steps_like_eager(lazy, eager, inputs)
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 1)
     assert all(part.hits > 0 for part in stats.parts.values())
@@ -185,7 +187,7 @@ def test_a_branch_on_a_random_draw_builds_and_replays_eagers_draws():
     torch.manual_seed(0)
     eager = LayerDrop(0.1)
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    _steps_with_eagers_draws(lazy, eager, [torch.randn(3, 4) for _ in range(12)])
+    _steps_like_eager(lazy, eager, [torch.randn(3, 4) for _ in range(12)], generator=True)
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert stats.hits >= 8 and stats.eager_steps >= 2, stats  # a layer skipped at least once
@@ -218,14 +220,7 @@ def test_a_size_read_as_a_number_is_the_first_calls_and_checked_every_call():
     eager = CutsPadding()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     for step, lengths in enumerate([[3, 7], [7, 5], [2, 7], [4, 9], [7, 7]]):
-        x, mask = _padded(lengths)
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = lazy(x, mask), eager(x, mask)
-        assert_close(got.detach(), want.detach(), f"output, step {step}")
-        got.square().sum().backward()
-        want.square().sum().backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        squares_step_like_eager(lazy, eager, _padded(lengths), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and the longer row
@@ -261,15 +256,8 @@ def test_lengths_read_as_a_list_are_kept_by_the_disk_index(private_disk_cache):
     second = lazygrad.lazy(copy.deepcopy(eager))
     for step, (which, ends) in enumerate([(0, starts), (1, starts), (1, starts),
                                           (0, torch.tensor([0, 5, 7, 12]))]):
-        x = torch.randn(12, 8)
-        for model in (second, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = second(x, ends), eager(x, ends)
-        for index in range(2):
-            assert_close(got[index].detach(), want[index].detach(), f"step {step}: {index}")
-        got[which].square().sum().backward()
-        want[which].square().sum().backward()
-        assert_grads_equal(second, eager, f"step {step}")
+        assert_loss_step_like_eager(second, eager, (torch.randn(12, 8), ends), f"step {step}",
+                                    loss=_squares_of(which))
     stats = lazygrad.stats(second)
     assert (stats.disk_hits, stats.fallbacks, stats.breaks) == (1, 0, 0)
     assert (stats.hits, stats.eager_steps) == (2, 1), stats  # other lengths: eagerly
@@ -295,13 +283,9 @@ def test_a_number_read_that_changes_every_call_sends_the_module_to_its_parts():
     torch.manual_seed(0)
     eager = ScalesByItsMax()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
+    inputs = [torch.randn(3, 8) for _ in range(8)]
     with pytest.warns(lazygrad.GraphBreakWarning, match=r"a number read .* failed in 4 of 4"):
-        for step in range(8):
-            x = torch.randn(3, 8)
-            got, _ = _step(lazy, x.clone(), step)
-            want, _ = _step(eager, x.clone(), step)
-            assert_close(got, want, f"output, step {step}")
-            assert_grads_equal(lazy, eager, f"step {step}")
+        _steps_like_eager(lazy, eager, inputs)
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 1)
     assert all(part.hits > 0 for part in stats.parts.values())
@@ -351,14 +335,8 @@ def test_lengths_of_selections_from_data_are_the_first_calls_and_checked_every_c
         mask = _masked_rows(generator, masked)
         x = torch.randn(4, 12, 8)
         segments = lengths if masked == 9 else torch.tensor([8, 8])
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = lazy(x, mask, segments), eager(x, mask, segments)
-        for index in range(2):
-            assert_close(got[index].detach(), want[index].detach(), f"step {step}: {index}")
-        got[0].square().sum().backward()
-        want[0].square().sum().backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        assert_loss_step_like_eager(lazy, eager, (x, mask, segments), f"step {step}",
+                                    loss=_squares_of(0))
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and 8 masked per row
@@ -390,13 +368,8 @@ def test_rows_written_back_by_a_mask_get_eagers_gradients():
     torch.manual_seed(0)
     eager = LanguageAdapters()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step, languages in enumerate([[0, 1], [1, 0], [0, 0], [1, 0]]):
-        x = torch.randn(2, 5, 8)
-        ids = torch.tensor(languages)
-        got, _ = _step(lazy, (x, ids), step)
-        want, _ = _step(eager, (x, ids), step)
-        assert_close(got, want, f"output, step {step}")
-        assert_grads_equal(lazy, eager, f"step {step}")
+    _steps_like_eager(lazy, eager, [(torch.randn(2, 5, 8), torch.tensor(languages))
+                                    for languages in [[0, 1], [1, 0], [0, 0], [1, 0]]])
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (2, 2)  # the first call, and one language twice
@@ -436,15 +409,8 @@ def test_unique_with_its_inverse_and_counts_is_the_first_calls_length_and_checke
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     generator = torch.Generator().manual_seed(2)
     for step, distinct in enumerate([5, 5, 5, 6, 5]):
-        x, ids = torch.randn(3, 4, 8), _ids(generator, distinct)
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        got, want = lazy(x, ids), eager(x, ids)
-        for index in range(2):
-            assert_close(got[index].detach(), want[index].detach(), f"step {step}: {index}")
-        got[0].square().sum().backward()
-        want[0].square().sum().backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        assert_loss_step_like_eager(lazy, eager, (torch.randn(3, 4, 8), _ids(generator, distinct)),
+                                    f"step {step}", loss=_squares_of(0))
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and six distinct ids

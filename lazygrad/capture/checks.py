@@ -189,10 +189,7 @@ def _recorded(read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], A
     def recorded(tensor: torch.Tensor) -> Any:
         """The value read, kept by this thread's recordings (none on other threads)."""
         value = read(tensor)
-        for values, counts in getattr(_state, "recorders", ()):  # read by the frame above
-            site = _site(sys._getframe(1), counts)
-            if tensor.numel() <= LARGEST_LIST:
-                values.append((*site, value))
+        _record(sys._getframe(1), value, tensor.numel() <= LARGEST_LIST)  # the reader's frame
         return value
 
     return recorded
@@ -217,10 +214,13 @@ class _BooleanIndexRecorded(TorchFunctionMode):
         return result
 
 
-def _record(frame: Any, value: Any) -> None:
-    """Keeps `value`, read at `frame`, in this thread's recordings."""
+def _record(frame: Any, value: Any, kept: bool = True) -> None:
+    """Keeps `value`, read at `frame`, in this thread's recordings, where `kept` (else the read
+    is only counted at its line, so the reads after it keep their counts)."""
     for values, counts in getattr(_state, "recorders", ()):
-        values.append((*_site(frame, counts), value))
+        site = _site(frame, counts)
+        if kept:
+            values.append((*site, value))
 
 
 def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
