@@ -109,6 +109,9 @@ class SignatureEntry:
     index_key: str | None = None  # its records in the disk index (None: it has none)
     # what its first call read from tensors' values (`checks.recording`; None: unknown)
     reads: checks.Reads | None = None
+    # the lines of code whose lengths read from data are the first call's in its graphs (the
+    # others: each call's); None: every one (a build with lengths from data failed)
+    lengths_fixed: frozenset[tuple[str, int]] | None = frozenset()
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
 
@@ -758,8 +761,45 @@ class Runtime:
         background: bool,
         eager: EagerRecord | None,
     ) -> tuple[GraphPair, bool]:
-        """Capture; load the graphs from disk or export and check them. (pair, from disk)"""
-        captured, key = self._trace(signature, entry, mask, primals, module)
+        """Capture; load the graphs from disk or export and check them. (pair, from disk)
+
+        Where the first call read the length of an op's result from data (`x[mask]`,
+        `nonzero`, `torch.where(mask)`: `capture/selections.py`), the graphs make it as long as
+        each call's data says (one graph for every length, as token routing gives each expert
+        another count of tokens at every step), but at the lines of code whose trace could not
+        go on so (a branch on the length, a reshape by it: `capture/data_lengths.py`), which
+        the first call's length serves, with the check that a later call's data gives the same
+        (a value read, `capture/checks.py`). Where a build with lengths from data fails
+        otherwise, every length is the first call's."""
+        lines = checks.length_lines(entry.reads)
+        while entry.lengths_fixed is not None and not lines <= entry.lengths_fixed:
+            try:
+                return self._built_pair(
+                    signature, entry, mask, primals, cotangents, device, module, background,
+                    eager, checks.lengths_from_data(entry.reads, entry.lengths_fixed))
+            except CaptureError as error:
+                fixed = entry.lengths_fixed | (error.lengths & lines)
+                entry.lengths_fixed = fixed if fixed != entry.lengths_fixed else None
+            except Exception:
+                entry.lengths_fixed = None
+        return self._built_pair(signature, entry, mask, primals, cotangents, device, module,
+                                background, eager, entry.reads)
+
+    def _built_pair(
+        self,
+        signature: Signature,
+        entry: SignatureEntry,
+        mask: Mask | None,
+        primals: list[torch.Tensor],
+        cotangents: tuple | None,
+        device: torch.device,
+        module: torch.nn.Module,
+        background: bool,
+        eager: EagerRecord | None,
+        reads: checks.Reads | None,
+    ) -> tuple[GraphPair, bool]:
+        """`_build_pair` with the trace answering `reads` as the first call read them."""
+        captured, key = self._trace(signature, entry, mask, primals, module, reads)
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
             self._index(entry, mask, key)
@@ -788,7 +828,8 @@ class Runtime:
         return GraphPair(graphs, mask, len(entry.state_names), self.options.arena)
 
     def _trace(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
-               primals: list[torch.Tensor], module: torch.nn.Module) -> tuple[Captured, str]:
+               primals: list[torch.Tensor], module: torch.nn.Module,
+               reads: checks.Reads | None) -> tuple[Captured, str]:
         """The captured graphs and their key in the disk cache (a content hash of them)."""
         with builder.autocast(signature.autocast):
             captured = capture(
@@ -804,7 +845,7 @@ class Runtime:
                 dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
-                reads=entry.reads,
+                reads=reads,
             )
         written = dict(zip((f"{path}.{name}".lstrip(".") for path, name in self._writes),
                            self._written_values(module)))

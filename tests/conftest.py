@@ -24,7 +24,10 @@ RTOL = 1e-5
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|: one number per tensor, robust to tiny entries."""
+    """max |actual - expected| / max |expected|: one number per tensor, robust to tiny entries
+    (0 for tensors of no elements)."""
+    if expected.numel() == 0:
+        return 0.0
     scale = expected.abs().max().item()
     return (actual - expected).abs().max().item() / max(scale, 1e-12)
 

@@ -36,14 +36,14 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lazygrad.capture import private, selections
+from lazygrad.capture import data_lengths, private, selections
 
 _state = threading.local()
 
@@ -73,13 +73,14 @@ def deferred() -> Iterator[None]:
         def answered(tensor: torch.Tensor) -> Any:
             reads = getattr(_state, "reads", None)
             if reads is not None and threading.get_ident() == tracing:
-                value = reads.answer(sys._getframe(1), lambda: tensor)
+                value = reads.answer(sys._getframe(1), tensor)
                 if value is not None:
                     return value
             return read(tensor)
 
         return answered
 
+    data_lengths.start()
     torch._is_all_true = keep
     for name in _READERS:
         setattr(functional, name, answering(name))
@@ -102,7 +103,7 @@ def kept(reads: Reads | None = None) -> Iterator[list[torch.Tensor]]:
     unknown; a read of a value then fails the trace)."""
     previous = getattr(_state, "kept", None), getattr(_state, "reads", None)
     _state.kept = checks = []
-    _state.reads = None if reads is None else _Reads(reads)
+    _state.reads = None if reads is None else _Reads(reads, data_lengths.next_pass())
     try:
         yield checks
     finally:
@@ -128,19 +129,35 @@ _SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch,
 # long is data (token ids), which the next call would not repeat.
 LARGEST_LIST = 4096
 
-# (file, line, count at that line) of each value a call read from a tensor -> what it read
-Reads = tuple[tuple[str, int, int, Any], ...]
+# (file, line, count at that line) of each value a call read from a tensor -> what it read,
+# and whether that is the length of an op's result (`selections.py`) rather than a value
+Reads = tuple[tuple[str, int, int, Any, bool], ...]
+
+
+def lengths_from_data(reads: Reads | None,
+                      but: Collection[data_lengths.Line] = ()) -> Reads | None:
+    """`reads` without the lengths of ops' results made by code other than the lines `but`: a
+    trace given these makes each such op as long as each call's data says (a size the trace
+    does not know, `data_lengths.py`), not as the first call's."""
+    if reads is None:
+        return None
+    return tuple(read for read in reads if not read[4] or (read[0], read[1]) in but)
+
+
+def length_lines(reads: Reads | None) -> frozenset[data_lengths.Line]:
+    """The lines of code whose ops' results' lengths `reads` holds."""
+    return frozenset((read[0], read[1]) for read in reads or () if read[4])
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, int, int, Any]]]:
+def recording() -> Iterator[list[tuple[str, int, int, Any, bool]]]:
     """What each value read from a tensor in this block (on this thread) returned, and each
     length an op read from data (`selections.py`), by where it was read (`Reads`). The readers
     of `torch.Tensor` and those ops are wrapped while any thread records: a torch function mode
     would do, but an active mode turns off eager's inference fast paths
     (`nn.TransformerEncoder`'s nested tensors), and the call must be eager's own. Boolean-mask
     indexing is the exception (`_BooleanIndexRecorded`)."""
-    values: list[tuple[str, int, int, Any]] = []
+    values: list[tuple[str, int, int, Any, bool]] = []
     recorders = _state.__dict__.setdefault("recorders", [])
     recorders.append((values, {}))
     indexing = _BooleanIndexRecorded() if torch.is_grad_enabled() and len(recorders) == 1 \
@@ -210,17 +227,18 @@ class _BooleanIndexRecorded(TorchFunctionMode):
         if name in ("__getitem__", "__setitem__"):
             sized = selections.form(name, args, kwargs or {})
             if sized is not None:
-                _record(_caller(sys._getframe(1)), sized.length(result))
+                _record(_caller(sys._getframe(1)), sized.length(result), length=True)
         return result
 
 
-def _record(frame: Any, value: Any, kept: bool = True) -> None:
+def _record(frame: Any, value: Any, kept: bool = True, length: bool = False) -> None:
     """Keeps `value`, read at `frame`, in this thread's recordings, where `kept` (else the read
-    is only counted at its line, so the reads after it keep their counts)."""
+    is only counted at its line, so the reads after it keep their counts); `length`: it is the
+    length of an op's result."""
     for values, counts in getattr(_state, "recorders", ()):
         site = _site(frame, counts)
         if kept:
-            values.append((*site, value))
+            values.append((*site, value, length))
 
 
 def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
@@ -237,7 +255,7 @@ def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
             _state.sizing = False
         sized = selections.form(name, args, kwargs)
         if sized is not None:
-            _record(_caller(sys._getframe(1)), sized.length(result))
+            _record(_caller(sys._getframe(1)), sized.length(result), length=True)
         return result
 
     return recorded
@@ -270,19 +288,31 @@ class _Reads:
     """The trace's answers to values read from tensors: the first call's at the same place, each
     kept as a check that the tensor holds it."""
 
-    def __init__(self, values: Reads) -> None:
-        self.values = {(file, line, count): value for file, line, count, value in values}
+    def __init__(self, values: Reads, forward_pass: int) -> None:
+        self.values = {(file, line, count): value for file, line, count, value, _ in values}
         self._counts: dict[tuple[str, int], int] = {}
+        self._pass = forward_pass
 
-    def answer(self, frame: Any, read: Callable[[], torch.Tensor]) -> Any:
-        """The recorded value where `frame` read a value as the first call did there, else
-        None; the check that `read()`, the tensor it was read from, holds it is kept."""
+    def answer(self, frame: Any, tensor: torch.Tensor) -> Any:
+        """The recorded value where `frame` read a value from `tensor` as the first call did
+        there, else None; the check that `tensor` holds it is kept."""
         value = self.values.get(_site(frame, self._counts))
-        if value is not None:
-            tensor = read()
-            if tensor.numel():
-                torch._is_all_true(_holds(tensor, value))
+        if value is not None and tensor.numel():
+            torch._is_all_true(_holds(tensor, value))
         return value
+
+    def length(self, frame: Any, sized: selections.Form, op: Callable[[], Any]) -> Any:
+        """The result of an op whose length is read from data, called at `frame`: as long as
+        the first call's where it is recorded there (and kept as a check), else `op()`, whose
+        length the trace does not know (bound to its line: `data_lengths.py`)."""
+        site = _site(frame, self._counts)
+        length = self.values.get(site)
+        if length is not None:
+            torch._is_all_true(_holds(sized.count(), length))
+            return sized.made(length)
+        result = op()
+        data_lengths.bind(sized.length(result), site[:2], self._pass)
+        return result
 
 
 def _holds(tensor: torch.Tensor, value: Any) -> torch.Tensor:
@@ -352,11 +382,9 @@ class _IndexChecks(TorchFunctionMode):
         kwargs = kwargs or {}
         reads = getattr(_state, "reads", None)
         sized = selections.form(getattr(func, "__name__", ""), args, kwargs) \
-            if reads is not None and reads.values else None
+            if reads is not None else None
         if sized is not None:
-            length = reads.answer(_caller(sys._getframe(1)), sized.count)
-            if length is not None:
-                return sized.made(length)
+            return reads.length(_caller(sys._getframe(1)), sized, lambda: func(*args, **kwargs))
         check = _CHECKS.get(func)
         if check is not None and getattr(_state, "kept", None) is not None:
             try:

@@ -18,7 +18,8 @@ one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(l
 into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
 bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
 (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
-`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`); `expm1` and
+`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`);
+`masked_select` into an index by `nonzero` (`masked_select`); `expm1` and
 `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
 near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`);
 `lgamma` and its derivatives, which ONNX lacks, into their series (`special.py`). Like
@@ -446,6 +447,13 @@ def masked_scatter_backward(grad_output: torch.Tensor, mask: torch.Tensor,
     return gathered[:count].view(sizes)
 
 
+def masked_select(self: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`masked_select` (no ONNX translation) as the elements at the mask's non-zero positions,
+    in order: a length the data gives (`data_lengths.py`), which NonZero computes."""
+    values, where = torch.broadcast_tensors(self, mask)
+    return values.reshape(-1)[where.reshape(-1).nonzero().squeeze(1)]
+
+
 def boolean_maximum(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
     """`max(dim)` of a boolean tensor (whether a row holds a zero, in `cumprod`'s backward) as
     the maximum of its bytes: ONNX Runtime has no ArgMax of booleans and refused the graph.
@@ -642,6 +650,7 @@ TABLE = {
     aten.topk.default: sorted_topk,
     aten.max.dim: boolean_maximum,
     aten.masked_scatter_backward.default: masked_scatter_backward,
+    aten.masked_select.default: masked_select,
     aten.rrelu_with_noise_functional.default: rrelu_in_eval,
     aten.copy.default: broadcast_copy,
     aten._safe_softmax.default: safe_softmax,

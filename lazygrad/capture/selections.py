@@ -5,16 +5,18 @@
 repeats and `unique` return as many rows as the data says: a trace cannot size them, so a
 model using one ran in parts (VideoMAE keeps its visible patches as `x[~bool_masked_pos]`;
 X-MOD runs each language's rows through its adapter by a mask; Qwen2-VL's vision tower numbers
-its images' patches by `repeat_interleave`). Where every call has the same length (a fixed
-masking ratio, one language per batch, images of one size), the first call's is the graph's
-(`checks.py` records it, by the line that made it, and keeps the check that the data gives the
-same length): the selection becomes a `topk` of the positions of the True elements
-(ascending: `nonzero`'s order) and a gather or a scatter of those rows, `repeat_interleave`
-picks each output row's source by the running total of its repeats (ONNX has no such op), and
-`unique` picks the first of each run of equal elements after a stable sort. A call with
-another length fails the check and runs in eager PyTorch; one whose length changes every call
-ends in parts, as before. A length of 0 fails the build's run of the graph (ORT made one row
-of the exported selection of none, and a scatter of none failed): that module runs in parts.
+its images' patches by `repeat_interleave`). Each such length is first made as long as each
+call's data says (`data_lengths.py`: the trace runs the op itself, whose size it does not know,
+and the graph computes it). Where the code branches on the length or reshapes by it, that
+line's length is the first call's (`checks.py` records it, by the line that made it, and keeps
+the check that the data gives the same length): the selection becomes a `topk` of the
+positions of the True elements (ascending: `nonzero`'s order) and a gather or a scatter of
+those rows, `repeat_interleave` picks each output row's source by the running total of its
+repeats (ONNX has no such op), and `unique` picks the first of each run of equal elements after
+a stable sort. A call with another length there fails the check and runs in eager PyTorch; one
+whose length changes every call ends in parts. A length of 0 fails the build's run of such a
+graph (ORT made one row of the exported selection of none, and a scatter of none failed): that
+module runs in parts.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
 from lazygrad import global_hooks
-from lazygrad.capture import aliases, checks, draws, lowerings, private, symbols
+from lazygrad.capture import aliases, checks, data_lengths, draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -234,13 +234,14 @@ def trace(
             raise
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
-                               sizes=any(map(any, dynamic))) from error
+                               sizes=any(map(any, dynamic)),
+                               lengths=data_lengths.lines_branched_on(error)) from error
         finally:  # AOTAutograd leaves the trace's fake seed and offset (and its fake mode) there
             private.PhiloxStateTracker.reset()
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
         outputs = list(outputs)
         graph = got.get("joint") or got["inference"]
-        _refuse_data_dependent_sizes(graph)
+        _refuse_assumed_lengths(graph, mode)
         untranslatable = _untranslatable(graph)
         try:
             guards = size_guards(mode.shape_env, where)
@@ -317,21 +318,18 @@ def failing_submodule(error: BaseException, names: dict[int, str]) -> str | None
     return found
 
 
-def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
-    """A size that depends on tensor values (`nonzero()`, boolean-mask indexing, `.item()` as
-    a size) that the first call's record does not give (`checks.py`: `torch.unique`, a read
-    inside torch's own C++) traces as an unbacked symbol: each call could route differently,
-    so no graph is built for it."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if any(private.free_unbacked_symbols(v) for v in values if v is not None):
-            raise CaptureError(
-                "the forward depends on tensor values: the size of the result of "
-                f"{node.target} is computed from data (`nonzero()`, boolean-mask indexing, "
-                "`.item()` used as a size), which one graph cannot capture",
-                submodule_of(node),
-            )
+def _refuse_assumed_lengths(graph: fx.GraphModule, mode: Any) -> None:
+    """A graph runs no assertion: one whose trace assumed a condition of a length read from
+    data (`data_lengths.py`) is not built; those lengths are to be the first call's."""
+    lines, unknown = data_lengths.lines_assumed(mode.shape_env)
+    if lines or unknown:
+        where = next((submodule_of(node) for node in graph.graph.nodes
+                      if node.meta.get("val") is not None
+                      and private.free_unbacked_symbols(node.meta["val"])), None)
+        raise CaptureError(
+            "the forward assumes a condition of a length read from data (a reshape by it, "
+            "`torch._check`), which its graph would not check at each call", where,
+            lengths=lines)
 
 
 def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
