@@ -111,7 +111,7 @@ class SignatureEntry:
     reads: checks.Reads | None = None
     # the lines of code whose lengths read from data are the first call's in its graphs (the
     # others: each call's); None: every one (a build with lengths from data failed)
-    lengths_fixed: frozenset[tuple[str, int]] | None = frozenset()
+    fixed_lines: frozenset[tuple[str, int]] | None = frozenset()
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
 
@@ -771,19 +771,18 @@ class Runtime:
         the first call's length serves, with the check that a later call's data gives the same
         (a value read, `capture/checks.py`). Where a build with lengths from data fails
         otherwise, every length is the first call's."""
-        lines = checks.length_lines(entry.reads)
-        while entry.lengths_fixed is not None and not lines <= entry.lengths_fixed:
+        lines = checks.lines_from_data(entry.reads)
+        while entry.fixed_lines is not None and not lines <= entry.fixed_lines:
             try:
-                return self._built_pair(
-                    signature, entry, mask, primals, cotangents, device, module, background,
-                    eager, checks.lengths_from_data(entry.reads, entry.lengths_fixed))
+                return self._built_pair(signature, entry, mask, primals, cotangents, device,
+                                        module, background, eager, entry.fixed_lines)
             except CaptureError as error:
-                fixed = entry.lengths_fixed | (error.lengths & lines)
-                entry.lengths_fixed = fixed if fixed != entry.lengths_fixed else None
+                fixed = entry.fixed_lines | (error.lines & lines)
+                entry.fixed_lines = fixed if fixed != entry.fixed_lines else None
             except Exception:
-                entry.lengths_fixed = None
+                entry.fixed_lines = None
         return self._built_pair(signature, entry, mask, primals, cotangents, device, module,
-                                background, eager, entry.reads)
+                                background, eager, lines)
 
     def _built_pair(
         self,
@@ -796,10 +795,10 @@ class Runtime:
         module: torch.nn.Module,
         background: bool,
         eager: EagerRecord | None,
-        reads: checks.Reads | None,
+        fixed: frozenset[tuple[str, int]],
     ) -> tuple[GraphPair, bool]:
-        """`_build_pair` with the trace answering `reads` as the first call read them."""
-        captured, key = self._trace(signature, entry, mask, primals, module, reads)
+        """`_build_pair` with the lengths from data at the lines `fixed` the first call's."""
+        captured, key = self._trace(signature, entry, mask, primals, module, fixed)
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
             self._index(entry, mask, key)
@@ -829,7 +828,7 @@ class Runtime:
 
     def _trace(self, signature: Signature, entry: SignatureEntry, mask: Mask | None,
                primals: list[torch.Tensor], module: torch.nn.Module,
-               reads: checks.Reads | None) -> tuple[Captured, str]:
+               fixed: frozenset[tuple[str, int]]) -> tuple[Captured, str]:
         """The captured graphs and their key in the disk cache (a content hash of them)."""
         with builder.autocast(signature.autocast):
             captured = capture(
@@ -845,7 +844,8 @@ class Runtime:
                 dynamic_dims=signature.dynamic_dims,
                 sized_of=sized_numbers,
                 own_roots=entry.aliasing.own_roots(),
-                reads=reads,
+                reads=entry.reads,
+                fixed_lines=fixed,
             )
         written = dict(zip((f"{path}.{name}".lstrip(".") for path, name in self._writes),
                            self._written_values(module)))

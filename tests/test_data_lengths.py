@@ -1,11 +1,13 @@
 """Lengths read from data made as each call's data says (`capture/data_lengths.py`): token
-routing, whose counts change at every step, runs through ORT; a line whose length the code
-branches on or reshapes by is the first call's length, checked."""
+routing, whose counts change at every step, runs through ORT; a branch on such a length is
+taken as the first call's, checked; what torch assumes of one (that a reshape by it divides) is
+checked."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_loss_step_like_eager, ran_through_ort
@@ -70,6 +72,44 @@ def test_token_routing_whose_counts_change_every_step_runs_through_ort():
     assert ran_through_ort(lazy(torch.randn(1, 12, 8)))
 
 
+class SortedExperts(torch.nn.Module):
+    """JetMoE's and DeepSeek's reference routing: the tokens sorted by expert and split by each
+    expert's count of tokens, read as a list (`torch.split(x, counts.tolist())`)."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(experts))
+
+    def forward(self, x):
+        chosen = self.router(x).argmax(-1)
+        order = chosen.argsort(stable=True)
+        counts = (chosen[:, None] == torch.arange(len(self.experts))).sum(0).tolist()
+        runs = x[order].split(counts)
+        out = torch.cat([expert(run) for expert, run in zip(self.experts, runs)])
+        return (torch.zeros_like(x).index_copy(0, order, out),)
+
+
+def test_integers_read_as_a_list_are_each_calls():
+    """Counts read as a list (`tolist()`) and split by: the trace keeps them unknown integers
+    (the graph reads each call's), and checks what torch assumed of them (that they sum to
+    the number of tokens). Every call after the first runs through ORT, whatever the counts."""
+    torch.manual_seed(0)
+    eager = SortedExperts()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    generator = torch.Generator().manual_seed(5)
+    counts = set()
+    for step in range(5):
+        x = torch.randn(10, 8, generator=generator)
+        counts.add(tuple(torch.bincount(eager.router(x).argmax(-1), minlength=3).tolist()))
+        assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}",
+                                    loss=lambda outputs: outputs[0].square().sum())
+    assert len(counts) >= 4
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 0)
+    assert (stats.hits, stats.eager_steps) == (4, 1)
+
+
 class KeepsVisiblePatches(torch.nn.Module):
     """VideoMAE's encoder input: the visible patches, as many in every sample, reshaped by the
     batch (`x[~mask].reshape(batch, -1, hidden)`); and a pooling over the patches whose norm is
@@ -87,17 +127,18 @@ class KeepsVisiblePatches(torch.nn.Module):
         return self.encode(visible).tanh(), loud.square().sum(0)
 
 
-def test_a_length_the_code_reshapes_by_is_the_first_calls_and_the_others_each_calls():
-    """A reshape by a length from data (visible patches per sample) assumes it divides, which
-    a graph would not check: that line's length is the first call's, checked (a call with
-    another count of masked patches runs in eager PyTorch), while the other line's is each
-    call's (the count of loud patches differs at every call)."""
+def test_what_a_reshape_assumes_of_a_length_from_data_is_checked_at_every_call():
+    """A reshape by a length from data (the visible patches of each sample) assumes that the
+    length divides, which torch would assert at run time: the graph checks it. Calls with
+    other counts of masked patches (each sample as many) and of loud patches run through ORT;
+    one whose visible patches do not divide runs in eager PyTorch, which raises eager's
+    error."""
     torch.manual_seed(0)
     eager = KeepsVisiblePatches()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     generator = torch.Generator().manual_seed(1)
     louds = set()
-    for step, masked in enumerate([9, 9, 9, 8, 9]):
+    for step, masked in enumerate([9, 9, 8, 9]):
         mask = torch.rand(4, 12, generator=generator).argsort(1).argsort(1) < masked
         x = 2 * torch.randn(4, 12, 8, generator=generator)
         louds.add(int((eager.embed(x).norm(dim=-1) > 2).sum()))
@@ -106,19 +147,23 @@ def test_a_length_the_code_reshapes_by_is_the_first_calls_and_the_others_each_ca
     assert len(louds) >= 3
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
-    assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and 8 masked per row
+    assert (stats.hits, stats.eager_steps) == (3, 1)
+    mask[0, mask[0].nonzero()[0]] = False  # one more visible patch: 13 in all
+    for model in (eager, lazy):
+        with pytest.raises(RuntimeError, match="invalid for input of size 104"):
+            model(x, mask)
 
 
 class SkipsIdleExperts(torch.nn.Module):
-    """Routing that skips an expert given no tokens (`if token.shape[0] == 0: continue`)."""
+    """Routing that skips an expert given no tokens (`if token.shape[0] == 0: continue`); its
+    router sends each token to the largest of its first three features."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.router = torch.nn.Linear(8, 3)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
 
     def forward(self, x):
-        chosen = self.router(x).argmax(-1)
+        chosen = x[:, :3].argmax(-1)
         out = torch.zeros_like(x)
         for index, expert in enumerate(self.experts):
             token = torch.where(chosen == index)[0]
@@ -128,23 +173,29 @@ class SkipsIdleExperts(torch.nn.Module):
         return (out,)
 
 
-def test_a_branch_on_a_length_makes_that_lines_length_the_first_calls_checked():
-    """A branch on a length from data fails a trace that does not know it: that line's
-    lengths are the first call's, checked. Calls routing as many tokens to each expert (other
-    tokens) run through ORT; one that routes otherwise runs in eager PyTorch."""
+def _routed_to(experts: list[int], generator: torch.Generator) -> torch.Tensor:
+    """Tokens (one per entry of `experts`) that `SkipsIdleExperts` sends to those experts."""
+    x = torch.randn(len(experts), 8, generator=generator)
+    x[torch.arange(len(experts)), experts] = 10.0
+    return x
+
+
+def test_a_branch_on_a_length_is_taken_as_the_first_calls_and_checked():
+    """A branch on a length from data fails a trace that does not know the length: it is
+    answered with the first call's length (every expert given tokens), and the graph checks
+    that the call's length takes the same branch. Calls with other counts of tokens, none 0,
+    run through ORT; one that gives an expert none runs in eager PyTorch."""
     torch.manual_seed(0)
     eager = SkipsIdleExperts()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
-    x = torch.randn(9, 8)
-    orders = [range(9), range(8, -1, -1), [1, 0, *range(2, 9)]]  # other tokens, same counts
-    for step, order in enumerate(orders):
-        assert_loss_step_like_eager(lazy, eager, (x[list(order)],), f"step {step}",
-                                    loss=lambda outputs: outputs[0].square().sum())
-    assert_loss_step_like_eager(lazy, eager, (torch.randn(9, 8),), "other counts",
-                                loss=lambda outputs: outputs[0].square().sum())
+    generator = torch.Generator().manual_seed(4)
+    routes = [[0, 1, 2, 0, 1], [1, 1, 2, 0, 0], [2, 1, 0, 0, 0], [0, 2, 2, 1, 1], [0, 0, 2, 2, 2]]
+    for step, experts in enumerate(routes):
+        assert_loss_step_like_eager(lazy, eager, (_routed_to(experts, generator),),
+                                    f"step {step}", loss=lambda outputs: outputs[0].square().sum())
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
-    assert (stats.hits, stats.eager_steps) == (2, 2)
+    assert (stats.hits, stats.eager_steps) == (3, 2)  # the first call, and expert 1 idle
 
 
 class SelectsRows(torch.nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import onnx
@@ -25,6 +25,7 @@ import torch.fx as fx
 from lazygrad.capture import (
     backward_hooks,
     checks,
+    data_lengths,
     escapes,
     forward_hooks,
     gelu,
@@ -141,6 +142,7 @@ def capture(
     sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
     own_roots: Sequence[bool] = (),
     reads: checks.Reads | None = None,
+    fixed_lines: Collection[tuple[str, int]] = (),
 ) -> Captured:
     """Trace, partition and tidy one call of `forward(module, ...)` for grad `mask`.
 
@@ -149,14 +151,15 @@ def capture(
     None: an inference graph. `recompute_layers`: the backward recomputes the activations of the
     module's repeated layers (`layers.py`). `dynamic_dims`: per call tensor, which of its sizes
     are symbols (none if empty). `reads`: what the signature's first call read from tensors'
-    values (`checks.recording`; None: unknown). The module is left exactly as it was,
-    whatever happens.
+    values (`checks.recording`; None: unknown); the lengths of ops' results it read are each
+    call's, but at the lines (file, line) `fixed_lines`, where they are its own
+    (`data_lengths.py`). The module is left exactly as it was, whatever happens.
     """
     started = time.perf_counter()
     backward_hooks.refuse_backward_hooks(module)
     forward_hooks.refuse_global_hooks(module)
     fn = trace.Functional(module, forward, state_names, rebuild, tensors_of, mask, sized_of,
-                          own_roots, reads)
+                          own_roots, reads, fixed_lines)
     count = len(state_names)
     dynamic = [[False] * p.dim() for p in primals[:count]]
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
@@ -174,7 +177,7 @@ def capture(
         unknown = set(compile(code, "<size>", "eval").co_names) - set(traced.locations)
         if unknown:
             raise CaptureError(f"the forward returns a number, {code}, computed from sizes that "
-                               "no input holds")
+                               "no input holds", lines=data_lengths.lines_named(unknown))
     try:
         recomputed = layers.repeated_layers(module) if recompute_layers else []
         parts = partition.partition(traced, recompute, recomputed)

@@ -73,19 +73,16 @@ def deferred() -> Iterator[None]:
         def answered(tensor: torch.Tensor) -> Any:
             reads = getattr(_state, "reads", None)
             if reads is not None and threading.get_ident() == tracing:
-                value = reads.answer(sys._getframe(1), tensor)
-                if value is not None:
-                    return value
+                return reads.answer(sys._getframe(1), tensor, name, read)
             return read(tensor)
 
         return answered
 
-    data_lengths.start()
     torch._is_all_true = keep
     for name in _READERS:
         setattr(functional, name, answering(name))
     try:
-        with _IndexChecks():
+        with _IndexChecks(), data_lengths.tracing():
             yield
     finally:
         torch._is_all_true = checking
@@ -97,17 +94,22 @@ def deferred() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kept(reads: Reads | None = None) -> Iterator[list[torch.Tensor]]:
-    """The checks the forward run in this block defers (`deferred`), in order. `reads`: what
-    the first call read from tensors (`recording`), which answers the trace's reads (None:
-    unknown; a read of a value then fails the trace)."""
+def kept(reads: Reads | None = None, fixed: Collection[data_lengths.Line] = ()
+         ) -> Iterator[list[torch.Tensor]]:
+    """The checks the forward run in this block defers (`deferred`), in order, and those of
+    what it assumed of lengths from data (`data_lengths.py`). `reads`: what the first call read
+    from tensors (`recording`), which answers the trace's reads (None: unknown; a read of a
+    value then fails the trace); the lengths of ops' results are each call's but at the lines
+    `fixed`, where they are the first call's."""
     previous = getattr(_state, "kept", None), getattr(_state, "reads", None)
     _state.kept = checks = []
-    _state.reads = None if reads is None else _Reads(reads, data_lengths.next_pass())
-    try:
-        yield checks
-    finally:
-        _state.kept, _state.reads = previous
+    with data_lengths.forward_pass() as number:
+        _state.reads = None if reads is None else _Reads(reads, number, fixed)
+        try:
+            yield checks
+            checks.extend(data_lengths.checks_of(number))
+        finally:
+            _state.kept, _state.reads = previous
 
 
 def all_held(checks: list[torch.Tensor]) -> torch.Tensor:
@@ -130,22 +132,18 @@ _SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch,
 LARGEST_LIST = 4096
 
 # (file, line, count at that line) of each value a call read from a tensor -> what it read,
-# and whether that is the length of an op's result (`selections.py`) rather than a value
+# and whether a trace may make it each call's (`data_lengths.py`): the length of an op's result
+# (`selections.py`), integers read by `item()` or `tolist()`
 Reads = tuple[tuple[str, int, int, Any, bool], ...]
 
-
-def lengths_from_data(reads: Reads | None,
-                      but: Collection[data_lengths.Line] = ()) -> Reads | None:
-    """`reads` without the lengths of ops' results made by code other than the lines `but`: a
-    trace given these makes each such op as long as each call's data says (a size the trace
-    does not know, `data_lengths.py`), not as the first call's."""
-    if reads is None:
-        return None
-    return tuple(read for read in reads if not read[4] or (read[0], read[1]) in but)
+# The readers whose integers a trace may leave unknown (each call's): the others must return a
+# Python number (`int(t)`, `operator.index(t)`) or are not integers
+_SYMBOLIC_READERS = ("item", "tolist")
 
 
-def length_lines(reads: Reads | None) -> frozenset[data_lengths.Line]:
-    """The lines of code whose ops' results' lengths `reads` holds."""
+def lines_from_data(reads: Reads | None) -> frozenset[data_lengths.Line]:
+    """The lines of code whose lengths or integers `reads` holds that a trace may make each
+    call's."""
     return frozenset((read[0], read[1]) for read in reads or () if read[4])
 
 
@@ -181,7 +179,8 @@ def _reads_recorded() -> Iterator[None]:
     with _recording:
         if _recording_threads == 0:
             for name in _READERS:  # `TensorBase`'s, inherited, outside the block
-                setattr(torch.Tensor, name, _recorded(getattr(torch._C.TensorBase, name)))
+                setattr(torch.Tensor, name,
+                        _recorded(name, getattr(torch._C.TensorBase, name)))
             for owner, name in _SIZED_OPS:
                 setattr(owner, name, _length_recorded(name, getattr(owner, name)))
         _recording_threads += 1
@@ -202,11 +201,12 @@ def _reads_recorded() -> Iterator[None]:
                         setattr(owner, name, original)
 
 
-def _recorded(read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+def _recorded(name: str, read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
     def recorded(tensor: torch.Tensor) -> Any:
         """The value read, kept by this thread's recordings (none on other threads)."""
         value = read(tensor)
-        _record(sys._getframe(1), value, tensor.numel() <= LARGEST_LIST)  # the reader's frame
+        _record(sys._getframe(1), value, tensor.numel() <= LARGEST_LIST,  # the reader's frame
+                _symbolic(name, tensor))
         return value
 
     return recorded
@@ -227,18 +227,24 @@ class _BooleanIndexRecorded(TorchFunctionMode):
         if name in ("__getitem__", "__setitem__"):
             sized = selections.form(name, args, kwargs or {})
             if sized is not None:
-                _record(_caller(sys._getframe(1)), sized.length(result), length=True)
+                _record(_caller(sys._getframe(1)), sized.length(result), symbolic=True)
         return result
 
 
-def _record(frame: Any, value: Any, kept: bool = True, length: bool = False) -> None:
+def _record(frame: Any, value: Any, kept: bool = True, symbolic: bool = False) -> None:
     """Keeps `value`, read at `frame`, in this thread's recordings, where `kept` (else the read
-    is only counted at its line, so the reads after it keep their counts); `length`: it is the
-    length of an op's result."""
+    is only counted at its line, so the reads after it keep their counts); `symbolic`: a trace
+    may make it each call's (`Reads`)."""
     for values, counts in getattr(_state, "recorders", ()):
         site = _site(frame, counts)
         if kept:
-            values.append((*site, value, length))
+            values.append((*site, value, symbolic))
+
+
+def _symbolic(name: str, tensor: torch.Tensor) -> bool:
+    """Whether the reader `name` of `tensor` reads integers a trace may leave unknown."""
+    return name in _SYMBOLIC_READERS and not tensor.is_floating_point() \
+        and not tensor.is_complex() and tensor.dtype != torch.bool
 
 
 def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
@@ -255,7 +261,7 @@ def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
             _state.sizing = False
         sized = selections.form(name, args, kwargs)
         if sized is not None:
-            _record(_caller(sys._getframe(1)), sized.length(result), length=True)
+            _record(_caller(sys._getframe(1)), sized.length(result), symbolic=True)
         return result
 
     return recorded
@@ -288,31 +294,52 @@ class _Reads:
     """The trace's answers to values read from tensors: the first call's at the same place, each
     kept as a check that the tensor holds it."""
 
-    def __init__(self, values: Reads, forward_pass: int) -> None:
+    def __init__(self, values: Reads, forward_pass: int,
+                 fixed: Collection[data_lengths.Line]) -> None:
         self.values = {(file, line, count): value for file, line, count, value, _ in values}
         self._counts: dict[tuple[str, int], int] = {}
         self._pass = forward_pass
+        self._fixed = fixed
 
-    def answer(self, frame: Any, tensor: torch.Tensor) -> Any:
-        """The recorded value where `frame` read a value from `tensor` as the first call did
-        there, else None; the check that `tensor` holds it is kept."""
-        value = self.values.get(_site(frame, self._counts))
-        if value is not None and tensor.numel():
+    def answer(self, frame: Any, tensor: torch.Tensor, name: str,
+               read: Callable[[torch.Tensor], Any]) -> Any:
+        """What the reader `name` reads from `tensor` at `frame`: the first call's value there,
+        with the check that `tensor` holds it; or, for integers a trace may make each call's
+        (`_SYMBOLIC_READERS`) at a line not fixed, `read(tensor)`, which the trace does not
+        know (bound to its line, with the first call's: `data_lengths.py`); or, where the first
+        call read nothing there, `read(tensor)`."""
+        site = _site(frame, self._counts)
+        value = self.values.get(site)
+        if value is None:
+            return read(tensor)
+        if _symbolic(name, tensor) and site[:2] not in self._fixed:
+            result = read(tensor)
+            data_lengths.bind_read(result, tensor, site[:2], self._pass, value)
+            return result
+        if tensor.numel():
             torch._is_all_true(_holds(tensor, value))
         return value
 
     def length(self, frame: Any, sized: selections.Form, op: Callable[[], Any]) -> Any:
         """The result of an op whose length is read from data, called at `frame`: as long as
-        the first call's where it is recorded there (and kept as a check), else `op()`, whose
-        length the trace does not know (bound to its line: `data_lengths.py`)."""
+        the first call's where its line is fixed and the length recorded there (and kept as a
+        check), else `op()`, whose length the trace does not know (bound to its line, with the
+        first call's: `data_lengths.py`)."""
         site = _site(frame, self._counts)
         length = self.values.get(site)
-        if length is not None:
+        if length is not None and site[:2] in self._fixed:
             torch._is_all_true(_holds(sized.count(), length))
             return sized.made(length)
         result = op()
-        data_lengths.bind(sized.length(result), site[:2], self._pass)
+        if result is not None:  # (`x[mask] = v` returns none, and its length is its backward's)
+            data_lengths.bind_length(sized.length(result), site[:2], self._pass, length,
+                                     _device(result))
         return result
+
+
+def _device(result: Any) -> torch.device:
+    """The device of an op's result (a tensor, or a tuple of them)."""
+    return (result[0] if isinstance(result, tuple) else result).device
 
 
 def _holds(tensor: torch.Tensor, value: Any) -> torch.Tensor:

@@ -1,50 +1,154 @@
-"""Lengths made as each call's data says: which lines of code the trace must make otherwise.
+"""Lengths made as each call's data says, and the checks of what the trace assumed of them.
 
 An op whose result's length is read from data (`selections.py`) that the trace does not answer
 with the first call's length (`checks.py`) makes a size the trace does not know, a symbol
 without a value (unbacked): the graph computes it at every call (ONNX's NonZero), so one graph
 serves every length, as token routing gives each expert another count of tokens at every step.
-torch's reasoning on such a size holds for every value it may take, with two exceptions, which
-name the lines of code (file, line) whose lengths must be the first call's instead:
+torch's reasoning on such a size holds for every value it may take, but for two things, which
+the graph checks at every call where it can (through the checks result of `checks.py`; a call
+where one fails runs again in eager PyTorch):
 
-- a branch on the length (`if tokens.shape[0] == 0: continue`; a loop over a tensor's rows):
-  the trace fails on it (`GuardOnDataDependentSymNode`);
-- a condition torch assumed of it and would assert at run time (a reshape by it that divides,
-  `torch._check`): a graph runs no such assertion.
+- a branch on the length (`if tokens.shape[0] == 0: continue`; a loop over a tensor's rows),
+  on which a trace fails (`GuardOnDataDependentSymNode`): the trace takes the branch the first
+  call's length takes, and keeps the check that the call's length takes it too;
+- a condition torch assumed of it, to assert at run time (a reshape by it that divides,
+  `torch._check`), which a graph would not run: kept as a check.
 
-The trace binds each symbol it made this way to its line and to the pass of the forward that
-made it (AOTAutograd runs the forward twice: an assertion relating its two passes' symbols, as
-its check that an output's size came out the same both times, holds by construction).
+Each is checked where the forward made it and can compute it (the lengths of this run of the
+forward, as 0-d tensors of their sizes, and integers: `_tensor`). Where not (one met by the
+backward's trace, one of a size no such op made, a length the first call did not record), the
+failure names the lines of code (file, line) whose lengths are to be the first call's instead.
+
+AOTAutograd runs the forward twice (a pass for its metadata, then the joint trace): each symbol
+is bound to its line and to the pass that made it; an assertion relating two passes' symbols
+(its check that an output's size came out the same both times) holds by construction.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
 
 from lazygrad.capture import private
+
+if TYPE_CHECKING:  # (sympy is imported where a build needs it: `import lazygrad` stays light)
+    import sympy
 
 # (file, line) of code that made a length from data
 Line = tuple[str, int]
 
-_state = threading.local()
+class _State(threading.local):
+    """What the trace running on this thread bound and answered (each thread starts empty)."""
+
+    def __init__(self) -> None:
+        self.bound: dict[Any, _Bound] = {}  # symbol -> the length it stands for
+        self.passes = 0  # runs of the forward so far
+        self.open: int | None = None  # the run going on
+        self.answered: list[tuple[sympy.Basic, sympy.Basic, int | None]] = []
+        self.checked: set[sympy.Basic] = set()  # conditions assumed that a check holds
+        self.shape_env: Any = None  # the trace's, once it bound a symbol
+        self.in_graph: set[Any] = set()  # the symbols of the graph traced
+        # symbol -> it, as a 0-d tensor of the traced graph (while the trace runs: a traced
+        # tensor kept after it would be taken for one user code kept, `escapes.py`)
+        self.tensors: dict[Any, Callable[[], torch.Tensor]] = {}
 
 
-def start() -> None:
-    """A new trace: no symbol is bound yet."""
-    _state.bound, _state.passes = {}, 0
+_state = _State()
 
 
-def next_pass() -> int:
-    """A new run of the forward within the trace; its number."""
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    line: Line
+    forward_pass: int
+    hint: int | None  # the first call's, where it recorded one
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """While a trace runs (on this thread): no symbol is bound yet, and a branch on a length it
+    bound is answered (`_answered`). One trace at a time (`trace._lock`)."""
+    _state.__init__()
+    evaluate = private.ShapeEnv.evaluate_expr
+    private.ShapeEnv.evaluate_expr = _answering(evaluate)
+    try:
+        yield
+    finally:
+        private.ShapeEnv.evaluate_expr = evaluate
+        _state.tensors.clear()
+
+
+@contextlib.contextmanager
+def forward_pass() -> Iterator[int]:
+    """One run of the forward within the trace; its number."""
     _state.passes += 1
-    return _state.passes
+    previous, _state.open = _state.open, _state.passes
+    try:
+        yield _state.passes
+    finally:
+        _state.open = previous
 
 
-def bind(length: Any, line: Line, forward_pass: int) -> None:
-    """`length`, an op's result's length made from data at `line`, in `forward_pass`."""
-    for symbol in private.free_unbacked_symbols(length):
-        _state.bound[symbol] = (line, forward_pass)
+def bind_length(length: Any, line: Line, forward_pass: int, hint: int | None,
+                device: torch.device) -> None:
+    """`length`, an op's result's length made from data at `line`, in `forward_pass`; `hint`:
+    the first call's there."""
+    _bind(length, line, forward_pass, hint,
+          lambda: torch.scalar_tensor(length, dtype=torch.int64, device=device))
+
+
+def bind_read(values: Any, tensor: torch.Tensor, line: Line, forward_pass: int,
+              hints: Any) -> None:
+    """`values`, the integers read from `tensor` at `line` (`item()`, `tolist()`: one, or a
+    list), in `forward_pass`; `hints`: the first call's there, alike."""
+    flat = pytree.tree_leaves(values)
+    hinted = pytree.tree_leaves(hints)
+    for index, value in enumerate(flat):
+        _bind(value, line, forward_pass, hinted[index] if len(hinted) == len(flat) else None,
+              lambda index=index: tensor.reshape(-1)[index].to(torch.int64))
+
+
+def _bind(value: Any, line: Line, forward_pass: int, hint: int | None,
+          tensor: Callable[[], torch.Tensor]) -> None:
+    if isinstance(value, torch.SymInt):
+        symbols = private.free_unbacked_symbols(value)
+        if len(symbols) == 1 and value.node.expr in symbols:  # the symbol itself
+            _state.bound[value.node.expr] = _Bound(line, forward_pass, hint)
+            _state.tensors[value.node.expr] = tensor
+            _state.shape_env = value.node.shape_env
+
+
+def checks_of(forward_pass: int) -> list[torch.Tensor]:
+    """At the end of `forward_pass`: a boolean tensor per branch answered and per condition
+    assumed of its lengths, each computed from them."""
+    made = []
+    for expression, answer, answered_in in _state.answered:
+        if answered_in == forward_pass:
+            made.append(_tensor(expression) == _tensor(answer))
+    if _state.shape_env is not None:
+        for asserts in _state.shape_env.deferred_runtime_asserts.values():
+            for assertion in asserts:
+                if assertion.expr in _state.checked or _pass_of(assertion.expr) != forward_pass:
+                    continue
+                with contextlib.suppress(LookupError):
+                    made.append(_tensor(assertion.expr))
+                    _state.checked.add(assertion.expr)
+    return made
+
+
+def traced(graph: Any) -> None:
+    """`graph` (an FX graph module) is the trace's graph: AOTAutograd runs it once more on the
+    trace's inputs, whose symbols are others (the same conditions on them as on its own)."""
+    for node in graph.graph.nodes:
+        value = node.meta.get("val")
+        if value is not None:
+            _state.in_graph.update(private.free_unbacked_symbols(value))
 
 
 def lines_branched_on(error: BaseException) -> frozenset[Line]:
@@ -54,26 +158,128 @@ def lines_branched_on(error: BaseException) -> frozenset[Line]:
         error = error.__cause__ or error.__context__
     if error is None:
         return frozenset()
-    return frozenset(line for line, _ in _bound(error.cond.free_symbols))
+    return frozenset(bound.line for bound in _bound(error.cond.free_symbols))
 
 
 def lines_assumed(shape_env: Any) -> tuple[frozenset[Line], bool]:
-    """The lines whose lengths the last trace assumed a condition of (those of one pass), and
-    whether it assumed one of a size from data that no such line made (a read inside torch's
-    C++, an op not in `selections.py`)."""
+    """The lines whose lengths the last trace assumed a condition of that no check holds (of
+    one pass), and whether it assumed one of a size from data that no such line made (a read
+    inside torch's C++, an op not in `selections.py`, a selection in the backward). With such
+    a condition, the lines of the conditions checked too: the backward's are most often those
+    of the forward again, of its own selection (the reshape's, where `x[mask]` is reshaped),
+    which the first call's lengths at those lines take away. Conditions on the symbols of
+    AOTAutograd's last run of the traced graph (in none of its passes, nor in the graph) are
+    those the graph's own symbols were given."""
     lines: set[Line] = set()
+    checked: set[Line] = set()
     unknown = False
     for asserts in shape_env.deferred_runtime_asserts.values():
         for assertion in asserts:
             symbols = private.free_unbacked_symbols(assertion.expr)
             bound = _bound(symbols)
-            if len(bound) < len(symbols):
+            if assertion.expr in _state.checked:
+                checked.update(b.line for b in bound)
+            elif not bound and not symbols & _state.in_graph:
+                continue  # the run of the graph after the trace
+            elif len(bound) < len(symbols):
                 unknown = True
-            elif len({forward_pass for _, forward_pass in bound}) == 1:
-                lines.update(line for line, _ in bound)
-    return frozenset(lines), unknown
+            elif len({b.forward_pass for b in bound}) == 1:
+                lines.update(b.line for b in bound)
+    return frozenset(lines | checked if unknown else lines), unknown
 
 
-def _bound(symbols: Any) -> list[tuple[Line, int]]:
-    bound = getattr(_state, "bound", {})
-    return [bound[symbol] for symbol in symbols if symbol in bound]
+def lines_named(names: set[str]) -> frozenset[Line]:
+    """The lines of the lengths the last trace bound to symbols of these names."""
+    return frozenset(bound.line for symbol, bound in _state.bound.items()
+                     if str(symbol) in names)
+
+
+def _answering(evaluate: Any) -> Any:
+    @functools.wraps(evaluate)
+    def answered(shape_env: Any, expression: Any, *args: Any, **kwargs: Any) -> Any:
+        """`ShapeEnv.evaluate_expr`, but a branch on lengths this run of the forward bound,
+        each with the first call's value, is answered with theirs, and kept to be checked."""
+        try:
+            return evaluate(shape_env, expression, *args, **kwargs)
+        except private.GuardOnDataDependentSymNode as error:
+            answer = _answer(error.cond)
+            if answer is None:
+                raise
+            _state.answered.append((error.cond, answer, _state.open))
+            return answer
+
+    return answered
+
+
+def _answer(expression: sympy.Basic) -> sympy.Basic | None:
+    """`expression` with the first call's values of its symbols, where all are lengths this
+    run of the forward bound, each with one, and nothing else; else None."""
+    import sympy
+
+    if _state.open is None or _pass_of(expression) != _state.open:
+        return None
+    bound = _bound(expression.free_symbols)
+    if len(bound) < len(expression.free_symbols) or any(b.hint is None for b in bound):
+        return None
+    try:
+        _tensor(expression)  # one the check can compute
+    except LookupError:
+        return None
+    answer = expression.xreplace({symbol: sympy.Integer(_state.bound[symbol].hint)
+                                  for symbol in expression.free_symbols})
+    return answer if answer.is_Boolean or answer.is_Integer else None
+
+
+def _pass_of(expression: sympy.Basic) -> int | None:
+    """The forward pass that bound all symbols of `expression` (None: none, or several)."""
+    symbols = expression.free_symbols
+    bound = _bound(symbols)
+    passes = {b.forward_pass for b in bound}
+    return passes.pop() if symbols and len(bound) == len(symbols) and len(passes) == 1 else None
+
+
+def _bound(symbols: Any) -> list[_Bound]:
+    return [_state.bound[symbol] for symbol in symbols if symbol in _state.bound]
+
+
+def _tensor(expression: sympy.Basic) -> torch.Tensor:
+    """`expression` computed in the traced graph from the lengths its symbols stand for.
+    LookupError: a symbol of no length bound here, or an operation not written here."""
+    import sympy
+
+    if expression is sympy.true or expression is sympy.false:
+        return torch.tensor(bool(expression))
+    if expression.is_Integer:
+        return torch.tensor(int(expression))
+    if expression.is_Symbol:
+        tensor = _state.tensors.get(expression)
+        if tensor is None:
+            raise LookupError(expression)
+        return tensor()
+    operation = _operation(type(expression))
+    return operation(*map(_tensor, expression.args))
+
+
+def _operation(kind: type) -> Any:
+    import sympy
+
+    functions = private.sympy_functions
+    operations = {
+        sympy.Add: lambda *a: functools.reduce(torch.add, a),
+        sympy.Mul: lambda *a: functools.reduce(torch.mul, a),
+        sympy.Eq: torch.eq, sympy.Ne: torch.ne, sympy.Lt: torch.lt, sympy.Le: torch.le,
+        sympy.Gt: torch.gt, sympy.Ge: torch.ge,
+        sympy.And: lambda *a: functools.reduce(torch.logical_and, a),
+        sympy.Or: lambda *a: functools.reduce(torch.logical_or, a),
+        sympy.Not: torch.logical_not,
+        sympy.Mod: torch.remainder, functions.Mod: torch.remainder,
+        functions.PythonMod: torch.remainder,
+        functions.FloorDiv: lambda a, b: torch.div(a, b, rounding_mode="floor"),
+        functions.CleanDiv: lambda a, b: torch.div(a, b, rounding_mode="floor"),
+        functions.Max: lambda *a: functools.reduce(torch.maximum, a),
+        functions.Min: lambda *a: functools.reduce(torch.minimum, a),
+    }
+    found = operations.get(kind)
+    if found is None:
+        raise LookupError(kind)
+    return found

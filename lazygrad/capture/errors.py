@@ -9,14 +9,14 @@ class CaptureError(RuntimeError):
     `sizes`: the trace failed with sizes as symbols: one for the call's exact sizes may succeed
     (a size made a tensor's value, as DeBERTa's attention span, is data to a trace with
     symbols; a size used as a dict key).
-    `lengths`: the lines of code whose lengths read from data the trace made as each call's
-    data says and could not go on with (`data_lengths.py`): a trace with the first call's
-    lengths there may succeed.
+    `lines`: the lines of code whose lengths or integers read from data the trace made as
+    each call's data says and could not go on with (`data_lengths.py`): a trace with the first
+    call's there may succeed.
     """
 
     def __init__(self, message: str, where: str | None = None, sizes: bool = False,
-                 lengths: frozenset[tuple[str, int]] = frozenset()) -> None:
+                 lines: frozenset[tuple[str, int]] = frozenset()) -> None:
         super().__init__(message)
         self.where = where
         self.sizes = sizes
-        self.lengths = lengths
+        self.lines = lines

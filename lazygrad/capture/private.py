@@ -375,6 +375,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "free_unbacked_symbols": ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols"),
     "statically_known_true": ("torch.fx.experimental.symbolic_shapes", "statically_known_true"),
     "PythonPrinter": ("torch.utils._sympy.printers", "PythonPrinter"),
+    "sympy_functions": ("torch.utils._sympy.functions", None),
     "decomposition_table": ("torch._decomp", "decomposition_table"),
     "onnx_constants": ("torch.onnx._internal.exporter._constants", None),
     "onnx_core": ("torch.onnx._internal.exporter._core", None),

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import operator
 import threading
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -203,10 +203,13 @@ def trace(
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
+            data_lengths.traced(joint)
             _unread_draws_picked(joint)
             return private.default_partition(joint, joint_inputs, **kwargs)
 
         def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
+            if "inference" not in got and "joint" not in got:
+                data_lengths.traced(gm)
             got.setdefault("inference", gm)
             return gm
 
@@ -235,7 +238,7 @@ def trace(
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
                                sizes=any(map(any, dynamic)),
-                               lengths=data_lengths.lines_branched_on(error)) from error
+                               lines=data_lengths.lines_branched_on(error)) from error
         finally:  # AOTAutograd leaves the trace's fake seed and offset (and its fake mode) there
             private.PhiloxStateTracker.reset()
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
@@ -329,7 +332,7 @@ def _refuse_assumed_lengths(graph: fx.GraphModule, mode: Any) -> None:
         raise CaptureError(
             "the forward assumes a condition of a length read from data (a reshape by it, "
             "`torch._check`), which its graph would not check at each call", where,
-            lengths=lines)
+            lines=lines)
 
 
 def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
@@ -523,7 +526,8 @@ class Functional:
 
     `reads`: what the first call read from tensors' values (`checks.recording`): the trace
     reads each value as that call did (a branch taken the same way, a size, a list), and the
-    check that the value is the same joins the others.
+    check that the value is the same joins the others; the lengths of ops' results are each
+    call's, but at the lines `fixed_lines` (`data_lengths.py`).
     """
 
     def __init__(
@@ -537,9 +541,10 @@ class Functional:
         sized_of: Callable[[Any], tuple[int, list[tuple[int, Any]]]] = lambda result: (0, []),
         own_roots: Sequence[bool] = (),
         reads: checks.Reads | None = None,
+        fixed_lines: Collection[tuple[str, int]] = (),
     ) -> None:
         self.original = _Original(module, forward)
-        self.reads = reads
+        self.reads, self.fixed_lines = reads, fixed_lines
         self.names = [f"inner.{name}" for name in state_names]
         self.rebuild, self.tensors_of, self.sized_of = rebuild, tensors_of, sized_of
         self.mask = mask
@@ -556,7 +561,7 @@ class Functional:
         args, kwargs = self.rebuild(list(primals[count:]))
         given = _contents(args, kwargs)
         storages = list(map(private.storage_id, primals))
-        with eager_mode(), checks.kept(self.reads) as made:
+        with eager_mode(), checks.kept(self.reads, self.fixed_lines) as made:
             result = functional_call(self.original, state, args, kwargs, tie_weights=True)
         replaced = [i for i, (primal, storage) in enumerate(zip(primals, storages))
                     if private.storage_id(primal) != storage]
