@@ -83,10 +83,11 @@ def measure(name: str, rounds: int, ablate: bool) -> str:
     for peer, sample in samples.items():
         if peer == "eager":
             continue
-        fallbacks = lazygrad.stats(models[peer]).fallbacks
+        stats = lazygrad.stats(models[peer])
         parts.append(f"{peer} {paired_ratio(sample.times, eager):.3f}x "
                      f"(CPU {paired_ratio(cpu[peer], cpu['eager']):.3f}x)"
-                     + (f" ({fallbacks} fallbacks)" if fallbacks else ""))
+                     + (f" ({stats.fallbacks} fallbacks)" if stats.fallbacks else "")
+                     + (f" (in parts: {stats.breaks} breaks)" if stats.breaks else ""))
     return "; ".join(parts)
 
 

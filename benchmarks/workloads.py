@@ -14,7 +14,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lazygrad.examples.models import BertConfig, BertPretraining, MoELayer, bert_batch
+from lazygrad.examples.models import (
+    BertConfig,
+    BertPretraining,
+    MoELayer,
+    RoutedExperts,
+    bert_batch,
+)
 
 BERT = BertConfig(vocab=8000, hidden=256, layers=4, heads=4, max_positions=256)
 BERT_BATCH, BERT_SEQ = 8, 128
@@ -104,6 +110,28 @@ MOE = Workload(
 )
 
 
+def _routed_model() -> nn.Module:
+    torch.manual_seed(0)
+    return RoutedExperts(hidden=MOE_HIDDEN, experts=MOE_EXPERTS)
+
+
+@functools.cache
+def _routed_input(which: int) -> tuple[torch.Tensor]:
+    return (torch.randn(*MOE_SHAPE, generator=torch.Generator().manual_seed(100 + which)),)
+
+
+# Token routing (each expert run on its own tokens): the counts of tokens per expert change at
+# every step (8 batches in turn), and the auxiliary loss joins every 4th step.
+ROUTED = Workload(
+    name="moe token-routed",
+    model=_routed_model,
+    inputs=lambda index: _routed_input(index % 8),
+    loss=_moe_loss,
+    settle=2 * AUX_EVERY,
+    cycle=8,
+)
+
+
 def seq_lengths(lengths: tuple[int, ...]) -> Workload:
     """Workload 3: workload 1's loss, each pass visiting every length once in a shuffled order."""
 
@@ -123,4 +151,5 @@ def seq_lengths(lengths: tuple[int, ...]) -> Workload:
 
 
 # Workloads a fresh process can be asked to run, by name.
-WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE]}
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE,
+                                                       ROUTED]}

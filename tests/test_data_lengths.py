@@ -9,37 +9,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import assert_loss_step_like_eager, ran_through_ort
 
 import lazygrad
-
-
-class TokenRoutedExperts(torch.nn.Module):
-    """A Mixture-of-Experts layer as users write it: top-2 routing, each expert run on its own
-    tokens (`torch.where` of the routing mask, `x[tokens]`), its results added back by
-    `index_add_`, and the Switch Transformer's load-balancing loss as a second output."""
-
-    def __init__(self, hidden: int = 8, experts: int = 4) -> None:
-        super().__init__()
-        self.router = torch.nn.Linear(hidden, experts, bias=False)
-        self.experts = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(hidden, 16), torch.nn.SiLU(),
-                                torch.nn.Linear(16, hidden))
-            for _ in range(experts))
-
-    def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).softmax(-1)
-        weights, chosen = probs.topk(2, dim=-1)
-        out = torch.zeros_like(tokens)
-        routed = F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
-        for index, expert in enumerate(self.experts):
-            slot, token = torch.where(routed[index])
-            out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
-        share = F.one_hot(chosen[:, 0], len(self.experts)).float().mean(0)
-        aux = len(self.experts) * (share * probs.mean(0)).sum()
-        return out.reshape(x.shape), aux
+from lazygrad.examples.models import RoutedExperts
 
 
 def _routed_loss(step: int):
@@ -56,13 +29,13 @@ def test_token_routing_whose_counts_change_every_step_runs_through_ort():
     the call's own (ONNX's NonZero), so every step after the first runs through ORT, with
     eager's outputs and gradients, an expert with no tokens at all included."""
     torch.manual_seed(0)
-    eager = TokenRoutedExperts()
+    eager = RoutedExperts()
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     generator = torch.Generator().manual_seed(3)
     counts = set()
     for step, tokens in enumerate([12, 12, 3, 12, 2, 12]):
         x = torch.randn(1, tokens, 8, generator=generator)
-        chosen = eager.router(x.reshape(-1, 8)).topk(2, dim=-1).indices
+        chosen = eager.router(x.reshape(-1, 8)).topk(2, dim=-1).indices  # as it routes
         counts.add(tuple(torch.bincount(chosen.reshape(-1), minlength=4).tolist()))
         assert_loss_step_like_eager(lazy, eager, (x,), f"step {step}", loss=_routed_loss(step))
     assert any(0 in count for count in counts) and len(counts) == 6

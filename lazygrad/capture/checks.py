@@ -26,7 +26,10 @@ runs once per layer). The trace answers a read made at a recorded line with the 
 and keeps the check that the tensor still holds that value (`_Reads`), so a later call that
 would read another runs again in eager PyTorch, as torch.compile guards a value it specialised
 on. The check alone makes the graph right: the record only chooses what to build. Before, a
-trace that met such a read failed and the submodule ran eagerly.
+trace that met such a read failed and the submodule ran eagerly. Integers read by `item()` and
+`tolist()` (JetMoE's counts of tokens per expert, split by), and the lengths of ops' results
+(`selections.py`), are each call's instead, unknown to the trace (`data_lengths.py`), but at
+the lines where that trace fails: there they are the first call's, as every other value.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 - `BertPretraining`: embeddings, attention layers, LayerNorm, GELU, an MLM head tied to the
   embeddings and an NSP head; returns (loss, prediction_scores, seq_relationship_score).
 - `MoELayer`: top-1 routed experts returning (out, aux_loss), the load-balancing loss.
+- `RoutedExperts`: top-2 token routing, each expert run on its own tokens only (their count
+  is data, another at every step), returning (out, aux_loss).
 """
 
 from __future__ import annotations
@@ -132,3 +134,29 @@ class MoELayer(nn.Module):
         mean_prob = probs.reshape(-1, self.experts_count).mean(0)
         aux_loss = self.experts_count * (fraction * mean_prob).sum()
         return out, aux_loss
+
+
+class RoutedExperts(nn.Module):
+    """A Mixture-of-Experts layer as LMs write it (Mixtral's loop over experts): top-2 routing,
+    each expert run on its own tokens only (`torch.where` of the routing mask, `x[tokens]`),
+    its results added back by `index_add_`, and the Switch Transformer's load-balancing loss."""
+
+    def __init__(self, hidden: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).softmax(-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        out = torch.zeros_like(tokens)
+        routed = F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
+        for index, expert in enumerate(self.experts):
+            slot, token = torch.where(routed[index])
+            out.index_add_(0, token, expert(tokens[token]) * weights[token, slot, None])
+        share = F.one_hot(chosen[:, 0], len(self.experts)).float().mean(0)
+        aux = len(self.experts) * (share * probs.mean(0)).sum()
+        return out.reshape(x.shape), aux
