@@ -48,6 +48,9 @@ class _State(threading.local):
     """What the trace running on this thread bound and answered (each thread starts empty)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.bound: dict[Any, _Bound] = {}  # symbol -> the length it stands for
         self.passes = 0  # runs of the forward so far
         self.open: int | None = None  # the run going on
@@ -73,8 +76,8 @@ class _Bound:
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """While a trace runs (on this thread): no symbol is bound yet, and a branch on a length it
-    bound is answered (`_answered`). One trace at a time (`trace._lock`)."""
-    _state.__init__()
+    bound is answered (`_answering`). One trace at a time (`trace._lock`)."""
+    _state.reset()
     evaluate = private.ShapeEnv.evaluate_expr
     private.ShapeEnv.evaluate_expr = _answering(evaluate)
     try:
@@ -134,9 +137,8 @@ def checks_of(forward_pass: int) -> list[torch.Tensor]:
     if _state.shape_env is not None:
         for asserts in _state.shape_env.deferred_runtime_asserts.values():
             for assertion in asserts:
-                if assertion.expr in _state.checked or _pass_of(assertion.expr) != forward_pass:
-                    continue
-                with contextlib.suppress(LookupError):
+                if assertion.expr not in _state.checked and _computable(assertion.expr) \
+                        and _pass_of(assertion.expr) == forward_pass:
                     made.append(_tensor(assertion.expr))
                     _state.checked.add(assertion.expr)
     return made
@@ -219,11 +221,8 @@ def _answer(expression: sympy.Basic) -> sympy.Basic | None:
     if _state.open is None or _pass_of(expression) != _state.open:
         return None
     bound = _bound(expression.free_symbols)
-    if len(bound) < len(expression.free_symbols) or any(b.hint is None for b in bound):
-        return None
-    try:
-        _tensor(expression)  # one the check can compute
-    except LookupError:
+    if len(bound) < len(expression.free_symbols) or any(b.hint is None for b in bound) \
+            or not _computable(expression):
         return None
     answer = expression.xreplace({symbol: sympy.Integer(_state.bound[symbol].hint)
                                   for symbol in expression.free_symbols})
@@ -242,29 +241,35 @@ def _bound(symbols: Any) -> list[_Bound]:
     return [_state.bound[symbol] for symbol in symbols if symbol in _state.bound]
 
 
-def _tensor(expression: sympy.Basic) -> torch.Tensor:
-    """`expression` computed in the traced graph from the lengths its symbols stand for.
-    LookupError: a symbol of no length bound here, or an operation not written here."""
-    import sympy
+def _computable(expression: sympy.Basic) -> bool:
+    """Whether `_tensor` can compute `expression`: its symbols stand for values bound here, and
+    its operations are `_operations`'."""
+    if expression.is_Boolean and not expression.args or expression.is_Integer:
+        return True
+    if expression.is_Symbol:
+        return expression in _state.tensors
+    return type(expression) in _operations() and all(map(_computable, expression.args))
 
-    if expression is sympy.true or expression is sympy.false:
+
+def _tensor(expression: sympy.Basic) -> torch.Tensor:
+    """`expression` computed in the traced graph from the values its symbols stand for (one
+    `_computable`)."""
+    if expression.is_Boolean and not expression.args:
         return torch.tensor(bool(expression))
     if expression.is_Integer:
         return torch.tensor(int(expression))
     if expression.is_Symbol:
-        tensor = _state.tensors.get(expression)
-        if tensor is None:
-            raise LookupError(expression)
-        return tensor()
-    operation = _operation(type(expression))
-    return operation(*map(_tensor, expression.args))
+        return _state.tensors[expression]()
+    return _operations()[type(expression)](*map(_tensor, expression.args))
 
 
-def _operation(kind: type) -> Any:
+@functools.cache
+def _operations() -> dict[type, Callable[..., torch.Tensor]]:
+    """The operations of sympy expressions of sizes, as torch computes them."""
     import sympy
 
     functions = private.sympy_functions
-    operations = {
+    return {
         sympy.Add: lambda *a: functools.reduce(torch.add, a),
         sympy.Mul: lambda *a: functools.reduce(torch.mul, a),
         sympy.Eq: torch.eq, sympy.Ne: torch.ne, sympy.Lt: torch.lt, sympy.Le: torch.le,
@@ -279,7 +284,3 @@ def _operation(kind: type) -> Any:
         functions.Max: lambda *a: functools.reduce(torch.maximum, a),
         functions.Min: lambda *a: functools.reduce(torch.minimum, a),
     }
-    found = operations.get(kind)
-    if found is None:
-        raise LookupError(kind)
-    return found
