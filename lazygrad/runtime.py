@@ -109,8 +109,8 @@ class SignatureEntry:
     index_key: str | None = None  # its records in the disk index (None: it has none)
     # what its first call read from tensors' values (`checks.recording`; None: unknown)
     reads: checks.Reads | None = None
-    # the lines of code whose lengths read from data are the first call's in its graphs (the
-    # others: each call's); None: every one (a build with lengths from data failed)
+    # the lines of code whose lengths and integers read from data are the first call's in its
+    # graphs (the others: each call's); None: every one (a build with them each call's failed)
     fixed_lines: frozenset[tuple[str, int]] | None = frozenset()
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
 
@@ -764,13 +764,13 @@ class Runtime:
         """Capture; load the graphs from disk or export and check them. (pair, from disk)
 
         Where the first call read the length of an op's result from data (`x[mask]`,
-        `nonzero`, `torch.where(mask)`: `capture/selections.py`), the graphs make it as long as
-        each call's data says (one graph for every length, as token routing gives each expert
-        another count of tokens at every step), but at the lines of code whose trace could not
-        go on so (a branch on the length, a reshape by it: `capture/data_lengths.py`), which
-        the first call's length serves, with the check that a later call's data gives the same
-        (a value read, `capture/checks.py`). Where a build with lengths from data fails
-        otherwise, every length is the first call's."""
+        `nonzero`, `torch.where(mask)`: `capture/selections.py`) or integers (`item()`,
+        `tolist()`), the graphs make them as each call's data says (one graph for every length,
+        as token routing gives each expert another count of tokens at every step), but at the
+        lines of code whose trace could not go on so (`capture/data_lengths.py`), which the
+        first call's values serve, with the check that a later call's data gives the same (a
+        value read, `capture/checks.py`). Where a build with them each call's fails otherwise,
+        every one is the first call's."""
         lines = checks.lines_from_data(entry.reads)
         while entry.fixed_lines is not None and not lines <= entry.fixed_lines:
             try:
@@ -797,7 +797,7 @@ class Runtime:
         eager: EagerRecord | None,
         fixed: frozenset[tuple[str, int]],
     ) -> tuple[GraphPair, bool]:
-        """`_build_pair` with the lengths from data at the lines `fixed` the first call's."""
+        """`_build_pair` with the values from data at the lines `fixed` the first call's."""
         captured, key = self._trace(signature, entry, mask, primals, module, fixed)
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:

@@ -102,8 +102,9 @@ def kept(reads: Reads | None = None, fixed: Collection[data_lengths.Line] = ()
     """The checks the forward run in this block defers (`deferred`), in order, and those of
     what it assumed of lengths from data (`data_lengths.py`). `reads`: what the first call read
     from tensors (`recording`), which answers the trace's reads (None: unknown; a read of a
-    value then fails the trace); the lengths of ops' results are each call's but at the lines
-    `fixed`, where they are the first call's."""
+    value then fails the trace); the lengths of ops' results and the integers read by
+    `_SYMBOLIC_READERS` are each call's but at the lines `fixed`, where they are the first
+    call's."""
     previous = getattr(_state, "kept", None), getattr(_state, "reads", None)
     _state.kept = checks = []
     with data_lengths.forward_pass() as number:
@@ -295,7 +296,7 @@ def _site(frame: Any, counts: dict[tuple[str, int], int]) -> tuple[str, int, int
 
 class _Reads:
     """The trace's answers to values read from tensors: the first call's at the same place, each
-    kept as a check that the tensor holds it."""
+    kept as a check that the tensor holds it, or each call's (`data_lengths.py`)."""
 
     def __init__(self, values: Reads, forward_pass: int,
                  fixed: Collection[data_lengths.Line]) -> None:

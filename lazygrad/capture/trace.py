@@ -322,16 +322,17 @@ def failing_submodule(error: BaseException, names: dict[int, str]) -> str | None
 
 
 def _refuse_assumed_lengths(graph: fx.GraphModule, mode: Any) -> None:
-    """A graph runs no assertion: one whose trace assumed a condition of a length read from
-    data (`data_lengths.py`) is not built; those lengths are to be the first call's."""
+    """A graph runs no assertion: one whose trace assumed a condition of a length or integer
+    read from data (`data_lengths.py`) that it does not check is not built; those values are
+    to be the first call's."""
     lines, unknown = data_lengths.lines_assumed(mode.shape_env)
     if lines or unknown:
         where = next((submodule_of(node) for node in graph.graph.nodes
                       if node.meta.get("val") is not None
                       and private.free_unbacked_symbols(node.meta["val"])), None)
         raise CaptureError(
-            "the forward assumes a condition of a length read from data (a reshape by it, "
-            "`torch._check`), which its graph would not check at each call", where,
+            "the forward assumes a condition of a length or integer read from data (a reshape "
+            "by it, `torch._check`), which its graph would not check at each call", where,
             lines=lines)
 
 
@@ -526,8 +527,9 @@ class Functional:
 
     `reads`: what the first call read from tensors' values (`checks.recording`): the trace
     reads each value as that call did (a branch taken the same way, a size, a list), and the
-    check that the value is the same joins the others; the lengths of ops' results are each
-    call's, but at the lines `fixed_lines` (`data_lengths.py`).
+    check that the value is the same joins the others; the lengths of ops' results and
+    integers read by `item()` or `tolist()` are each call's, but at the lines `fixed_lines`
+    (`data_lengths.py`).
     """
 
     def __init__(
