@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_loss_step_like_eager, ran_through_ort
 
 import lazygrad
@@ -81,6 +82,46 @@ def test_integers_read_as_a_list_are_each_calls():
     stats = lazygrad.stats(lazy)
     assert (stats.fallbacks, stats.breaks) == (0, 0)
     assert (stats.hits, stats.eager_steps) == (4, 1)
+
+
+class ExpertsByName(torch.nn.ModuleDict):
+    """Switch Transformers' and NLLB-MoE's experts: a loop over the experts hit
+    (`nonzero()`), each picked by its name (`self[f"expert_{index[0]}"]`) and run on its own
+    tokens (`torch.where`)."""
+
+    def __init__(self, experts: int = 3) -> None:
+        super().__init__({f"expert_{index}": torch.nn.Linear(8, 8) for index in range(experts)})
+
+    def forward(self, h, chosen, probs):
+        out = torch.zeros_like(h)
+        routed = F.one_hot(chosen, num_classes=len(self)).permute(2, 1, 0)
+        hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero()
+        for index in hit:
+            slot, token = torch.where(routed[index].squeeze(0))
+            expert = self[f"expert_{index[0]}"]
+            out.index_add_(0, token, expert(h[token]) * probs[token, slot, None])
+        return (out,)
+
+
+def test_experts_picked_by_a_name_made_of_a_tensor_run_through_ort():
+    """The loop over the experts hit iterates a length from data (a branch inside torch's
+    `unbind`, which the exporter meets again): that line is the first call's, checked; the
+    name formatted from a traced index read the tensor's repr (no such expert, so the module
+    ran in parts) and now reads its value as eager's `Tensor.__format__` does, checked; each
+    expert's tokens stay each call's. Calls hitting the same experts run through ORT."""
+    torch.manual_seed(0)
+    eager = ExpertsByName()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    generator = torch.Generator().manual_seed(6)
+    for step in range(4):
+        chosen = torch.cat([torch.arange(3), torch.randint(0, 3, (7,), generator=generator)])
+        inputs = (torch.randn(10, 8, generator=generator), chosen[:, None],
+                  torch.rand(10, 1, generator=generator))
+        assert_loss_step_like_eager(lazy, eager, inputs, f"step {step}",
+                                    loss=lambda outputs: outputs[0].square().sum())
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 0)
+    assert (stats.hits, stats.eager_steps) == (3, 1)
 
 
 class KeepsVisiblePatches(torch.nn.Module):

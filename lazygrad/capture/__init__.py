@@ -128,6 +128,18 @@ class Captured:
         return digest.hexdigest()
 
 
+def _refuse_sizes_no_input_holds(codes: Sequence[str], locations: symbols.Locations,
+                                 what: str) -> None:
+    """Sizes (Python source over size symbols) that the call's inputs do not give (a length
+    read from data, which only the graph computes) cannot be made outside the graph: the
+    failure names the lines whose lengths to take as the first call's (`data_lengths.py`)."""
+    unknown = {name for code in codes for name in compile(code, "<size>", "eval").co_names}
+    unknown -= set(locations)
+    if unknown:
+        raise CaptureError(f"the forward {what} of sizes that no input holds",
+                           lines=data_lengths.lines_named(unknown))
+
+
 def capture(
     module: torch.nn.Module,
     forward: Callable[..., Any],
@@ -174,10 +186,7 @@ def capture(
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
     for _, code in fn.sized:
-        unknown = set(compile(code, "<size>", "eval").co_names) - set(traced.locations)
-        if unknown:
-            raise CaptureError(f"the forward returns a number, {code}, computed from sizes that "
-                               "no input holds", lines=data_lengths.lines_named(unknown))
+        _refuse_sizes_no_input_holds([code], traced.locations, f"returns a number, {code},")
     try:
         recomputed = layers.repeated_layers(module) if recompute_layers else []
         parts = partition.partition(traced, recompute, recomputed)
@@ -201,6 +210,9 @@ def capture(
         raise CaptureError(
             f"cannot prepare the traced graphs: {type(error).__name__}: {error}"
         ) from error
+    for draw in parts.draws:  # made in torch, before the graph runs, from the inputs' sizes
+        _refuse_sizes_no_input_holds([*draw.shape, *draw.strides], traced.locations,
+                                     f"draws a random {draw.kind} tensor")
     return Captured(
         tidy=tidied,
         draws=parts.draws,

@@ -75,19 +75,37 @@ def deferred() -> Iterator[None]:
 
         def answered(tensor: torch.Tensor) -> Any:
             reads = getattr(_state, "reads", None)
-            if reads is not None and threading.get_ident() == tracing:
-                return reads.answer(sys._getframe(1), tensor, name, read)
-            return read(tensor)
+            if reads is None or threading.get_ident() != tracing \
+                    or getattr(_state, "reading", False):  # (`tolist` reads by `item`)
+                return read(tensor)
+            _state.reading = True
+            try:
+                return reads.answer(_caller(sys._getframe(1)), tensor, name, read)
+            finally:
+                _state.reading = False
 
         return answered
+
+    def formatted(tensor: torch.Tensor, spec: str) -> str:
+        """A 0-d tensor formatted as eager's `Tensor.__format__` formats one, by its number,
+        which it reads for plain tensors only (a traced one was formatted as its repr:
+        `self[f"expert_{index}"]`, Switch Transformers' and NLLB-MoE's pick of an expert,
+        named none)."""
+        if tensor.dim() == 0 and not tensor.is_complex() and threading.get_ident() == tracing:
+            number = bool if tensor.dtype == torch.bool else \
+                float if tensor.is_floating_point() else int
+            return format(number(tensor), spec)
+        return torch.Tensor.__format__(tensor, spec)
 
     torch._is_all_true = keep
     for name in _READERS:
         setattr(functional, name, answering(name))
+    functional.__format__ = formatted
     try:
         with _IndexChecks(), data_lengths.tracing():
             yield
     finally:
+        del functional.__format__
         torch._is_all_true = checking
         for name in _READERS:
             if name in own:
@@ -207,9 +225,18 @@ def _reads_recorded() -> Iterator[None]:
 
 def _recorded(name: str, read: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
     def recorded(tensor: torch.Tensor) -> Any:
-        """The value read, kept by this thread's recordings (none on other threads)."""
-        value = read(tensor)
-        _record(sys._getframe(1), value, tensor.numel() <= LARGEST_LIST,  # the reader's frame
+        """The value read, kept by this thread's recordings (none on other threads), by the
+        first frame outside torch's code (`Tensor.__format__` reads `item()` for the code
+        that formats a tensor); once (a read under `_BooleanIndexRecorded` reaches this
+        again, from the mode)."""
+        if getattr(_state, "reading", False):
+            return read(tensor)
+        _state.reading = True
+        try:
+            value = read(tensor)
+        finally:
+            _state.reading = False
+        _record(_caller(sys._getframe(1)), value, tensor.numel() <= LARGEST_LIST,
                 _symbolic(name, tensor))
         return value
 
@@ -222,8 +249,7 @@ class _BooleanIndexRecorded(TorchFunctionMode):
     `__getitem__` on the class makes every tensor a sequence to CPython (`torch.tensor` of a
     list of 0-d tensors then fails). This mode is entered only where grad is enabled: the fast
     paths that an active mode turns off (`nn.MultiheadAttention`'s, `nn.TransformerEncoder`'s)
-    run without grad only, so a call with grad is eager's own under it too. (A reader called
-    under it records twice, the second time at this file's line, which no trace asks for.)"""
+    run without grad only, so a call with grad is eager's own under it too."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         result = func(*args, **(kwargs or {}))

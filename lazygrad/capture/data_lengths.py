@@ -8,9 +8,10 @@ torch's reasoning on such a size holds for every value it may take, but for two 
 the graph checks at every call where it can (through the checks result of `checks.py`; a call
 where one fails runs again in eager PyTorch):
 
-- a branch on the length (`if tokens.shape[0] == 0: continue`; a loop over a tensor's rows),
-  on which a trace fails (`GuardOnDataDependentSymNode`): the trace takes the branch the first
-  call's length takes, and keeps the check that the call's length takes it too;
+- a branch of the user's code on the length (`if tokens.shape[0] == 0: continue`), on which a
+  trace fails (`GuardOnDataDependentSymNode`): the trace takes the branch the first call's
+  length takes, and keeps the check that the call's length takes it too (not a branch inside
+  torch's own ops, a loop over a tensor's rows: the exporter traces the graph's ops again);
 - a condition torch assumed of it, to assert at run time (a reshape by it that divides,
   `torch._check`), which a graph would not run: kept as a check.
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -54,10 +57,9 @@ class _State(threading.local):
         self.bound: dict[Any, _Bound] = {}  # symbol -> the length it stands for
         self.passes = 0  # runs of the forward so far
         self.open: int | None = None  # the run going on
-        self.answered: list[tuple[sympy.Basic, sympy.Basic, int | None]] = []
         self.checked: set[sympy.Basic] = set()  # conditions assumed that a check holds
         self.shape_env: Any = None  # the trace's, once it bound a symbol
-        self.in_graph: set[Any] = set()  # the symbols of the graph traced
+        self.traced: set[sympy.Basic] | None = None  # the conditions assumed by the trace
         # symbol -> it, as a 0-d tensor of the traced graph (while the trace runs: a traced
         # tensor kept after it would be taken for one user code kept, `escapes.py`)
         self.tensors: dict[Any, Callable[[], torch.Tensor]] = {}
@@ -128,12 +130,9 @@ def _bind(value: Any, line: Line, forward_pass: int, hint: int | None,
 
 
 def checks_of(forward_pass: int) -> list[torch.Tensor]:
-    """At the end of `forward_pass`: a boolean tensor per branch answered and per condition
-    assumed of its lengths, each computed from them."""
+    """At the end of `forward_pass`: a boolean tensor per condition assumed of its lengths (and
+    per branch answered, `_answering`), each computed from them."""
     made = []
-    for expression, answer, answered_in in _state.answered:
-        if answered_in == forward_pass:
-            made.append(_tensor(expression) == _tensor(answer))
     if _state.shape_env is not None:
         for asserts in _state.shape_env.deferred_runtime_asserts.values():
             for assertion in asserts:
@@ -144,13 +143,31 @@ def checks_of(forward_pass: int) -> list[torch.Tensor]:
     return made
 
 
-def traced(graph: Any) -> None:
-    """`graph` (an FX graph module) is the trace's graph: AOTAutograd runs it once more on the
-    trace's inputs, whose symbols are others (the same conditions on them as on its own)."""
-    for node in graph.graph.nodes:
-        value = node.meta.get("val")
-        if value is not None:
-            _state.in_graph.update(private.free_unbacked_symbols(value))
+def traced(shape_env: Any) -> None:
+    """The trace's graph is made: the conditions assumed so far are its; AOTAutograd's run of
+    it after (`rerun`) assumes them again, of its own sizes."""
+    _state.traced = {assertion.expr for asserts in shape_env.deferred_runtime_asserts.values()
+                     for assertion in asserts}
+
+
+def rerun(graph: Any, shape_env: Any) -> Callable[..., Any]:
+    """`graph` as AOTAutograd runs it once more on the trace's inputs, for its outputs: each
+    size from data it makes again is told to be the one the trace made (`rebind_unbacked`, as
+    torch.export's retracing does), so its ops' own branches on them (`unbind`'s on a length of
+    0) go as the trace's went, where a branch the trace answered would fail."""
+
+    class Rebinding(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node) -> Any:
+            result = super().run_node(node)
+            made = set(private.free_unbacked_symbols(result))
+            if made - set(node.meta.get("unbacked_bindings") or ()):  # (none: memoized)
+                private.rebind_unbacked(shape_env, node, result)
+            return result
+
+    def run(*args: Any) -> Any:
+        return Rebinding(graph).run(*args)
+
+    return run
 
 
 def lines_branched_on(error: BaseException) -> frozenset[Line]:
@@ -169,9 +186,8 @@ def lines_assumed(shape_env: Any) -> tuple[frozenset[Line], bool]:
     inside torch's C++, an op not in `selections.py`, a selection in the backward). With such
     a condition, the lines of the conditions checked too: the backward's are most often those
     of the forward again, of its own selection (the reshape's, where `x[mask]` is reshaped),
-    which the first call's lengths at those lines take away. Conditions on the symbols of
-    AOTAutograd's last run of the traced graph (in none of its passes, nor in the graph) are
-    those the graph's own symbols were given."""
+    which the first call's lengths at those lines take away. Those of AOTAutograd's run of
+    the traced graph after the trace (`rerun`) are the trace's again."""
     lines: set[Line] = set()
     checked: set[Line] = set()
     unknown = False
@@ -181,7 +197,7 @@ def lines_assumed(shape_env: Any) -> tuple[frozenset[Line], bool]:
             bound = _bound(symbols)
             if assertion.expr in _state.checked:
                 checked.update(b.line for b in bound)
-            elif not bound and not symbols & _state.in_graph:
+            elif _state.traced is not None and assertion.expr not in _state.traced:
                 continue  # the run of the graph after the trace
             elif len(bound) < len(symbols):
                 unknown = True
@@ -200,17 +216,40 @@ def _answering(evaluate: Any) -> Any:
     @functools.wraps(evaluate)
     def answered(shape_env: Any, expression: Any, *args: Any, **kwargs: Any) -> Any:
         """`ShapeEnv.evaluate_expr`, but a branch on lengths this run of the forward bound,
-        each with the first call's value, is answered with theirs, and kept to be checked."""
+        each with the first call's value, is answered with theirs, which the shape environment
+        is told as a condition to assert at run time (so it reasons on from it: a length
+        answered 3 is 3 from then on), which `checks_of` checks."""
         try:
             return evaluate(shape_env, expression, *args, **kwargs)
         except private.GuardOnDataDependentSymNode as error:
-            answer = _answer(error.cond)
+            answer = _answer(error.cond) if _asked_by_user_code(sys._getframe(1)) else None
             if answer is None:
                 raise
-            _state.answered.append((error.cond, answer, _state.open))
+            import sympy
+
+            fact = error.cond if answer is sympy.true else sympy.Not(error.cond) \
+                if answer is sympy.false else sympy.Eq(error.cond, answer)
+            shape_env.guard_or_defer_runtime_assert(fact, "as the signature's first call")
             return answer
 
     return answered
+
+
+# Where torch turns a symbolic size into a Python bool or int: between the code that asked and
+# the shape environment
+_SYMBOLIC_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), *path) for path in (
+    ("__init__.py",), ("fx", "experimental", "sym_node.py"),
+    ("fx", "experimental", "symbolic_shapes.py"), ("fx", "experimental", "recording.py")))
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _asked_by_user_code(frame: Any) -> bool:
+    """Whether the branch evaluated at `frame` is the user's code's (`if n == 0:`), not one of
+    torch's own ops (`unbind`'s on a length of 0): the exporter traces the graph's ops again,
+    with sizes of its own, and would meet theirs again, unanswered."""
+    while frame is not None and frame.f_code.co_filename in _SYMBOLIC_PLUMBING:
+        frame = frame.f_back
+    return frame is not None and not frame.f_code.co_filename.startswith(_TORCH)
 
 
 def _answer(expression: sympy.Basic) -> sympy.Basic | None:

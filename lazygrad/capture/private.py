@@ -373,6 +373,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "StatelessSymbolicContext": ("torch.fx.experimental.symbolic_shapes",
                                  "StatelessSymbolicContext"),
     "free_unbacked_symbols": ("torch.fx.experimental.symbolic_shapes", "free_unbacked_symbols"),
+    "rebind_unbacked": ("torch.fx.experimental.symbolic_shapes", "rebind_unbacked"),
     "statically_known_true": ("torch.fx.experimental.symbolic_shapes", "statically_known_true"),
     "PythonPrinter": ("torch.utils._sympy.printers", "PythonPrinter"),
     "sympy_functions": ("torch.utils._sympy.functions", None),

@@ -203,15 +203,15 @@ def trace(
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             got["joint"], got["num_forward_outputs"] = joint, kwargs["num_fwd_outputs"]
-            data_lengths.traced(joint)
+            data_lengths.traced(mode.shape_env)
             _unread_draws_picked(joint)
             return private.default_partition(joint, joint_inputs, **kwargs)
 
-        def keep_first(gm: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
+        def keep_first(gm: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
             if "inference" not in got and "joint" not in got:
-                data_lengths.traced(gm)
+                data_lengths.traced(mode.shape_env)
             got.setdefault("inference", gm)
-            return gm
+            return data_lengths.rerun(gm, mode.shape_env)
 
         compiled = private.aot_function(
             fn, keep_first, keep_first, partition_fn=partition,
