@@ -1,9 +1,10 @@
 """Lengths made as each call's data says, and the checks of what the trace assumed of them.
 
-An op whose result's length is read from data (`selections.py`) that the trace does not answer
-with the first call's length (`checks.py`) makes a size the trace does not know, a symbol
-without a value (unbacked): the graph computes it at every call (ONNX's NonZero), so one graph
-serves every length, as token routing gives each expert another count of tokens at every step.
+An op whose result's length is read from data (`selections.py`), or an integer read by `item()`
+or `tolist()`, that the trace does not answer with the first call's (`checks.py`) makes a size
+the trace does not know, a symbol without a value (unbacked): the graph computes it at every
+call (ONNX's NonZero; the tensor read), so one graph serves every length, as token routing gives
+each expert another count of tokens at every step.
 torch's reasoning on such a size holds for every value it may take, but for two things, which
 the graph checks at every call where it can (through the checks result of `checks.py`; a call
 where one fails runs again in eager PyTorch):
@@ -22,7 +23,8 @@ failure names the lines of code (file, line) whose lengths are to be the first c
 
 AOTAutograd runs the forward twice (a pass for its metadata, then the joint trace): each symbol
 is bound to its line and to the pass that made it; an assertion relating two passes' symbols
-(its check that an output's size came out the same both times) holds by construction.
+(its check that an output's size came out the same both times) holds by construction. It then
+runs the traced graph once more (`rerun`), whose fresh sizes are rebound to the trace's.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from lazygrad.capture import private
 if TYPE_CHECKING:  # (sympy is imported where a build needs it: `import lazygrad` stays light)
     import sympy
 
-# (file, line) of code that made a length from data
+# (file, line) of code that made a length from data, or read an integer
 Line = tuple[str, int]
+
 
 class _State(threading.local):
     """What the trace running on this thread bound and answered (each thread starts empty)."""
@@ -54,7 +57,7 @@ class _State(threading.local):
         self.reset()
 
     def reset(self) -> None:
-        self.bound: dict[Any, _Bound] = {}  # symbol -> the length it stands for
+        self.bound: dict[Any, _Bound] = {}  # symbol -> the length or integer it stands for
         self.passes = 0  # runs of the forward so far
         self.open: int | None = None  # the run going on
         self.checked: set[sympy.Basic] = set()  # conditions assumed that a check holds
