@@ -723,8 +723,9 @@ class Runtime:
         the caller has moved on (tiered execution), so the check takes its turn (`turns.py`)."""
         started = time.perf_counter()
         try:
-            pair, from_disk = self._build_pair(signature, entry, mask, primals, cotangents,
-                                               device, module, background, eager)
+            pair, from_disk = self._with_lines_fixed(entry, lambda fixed: self._build_pair(
+                signature, entry, mask, primals, cotangents, device, module, background, eager,
+                fixed))
         except GraphRunError as error:
             if device.type == "cpu" and signature.half_precision:
                 # ORT's CPU provider has next to no bfloat16 or float16 kernels (MatMul, Gemm,
@@ -749,19 +750,11 @@ class Runtime:
         )
         return PairEntry(pair, stats)
 
-    def _build_pair(
-        self,
-        signature: Signature,
-        entry: SignatureEntry,
-        mask: Mask | None,
-        primals: list[torch.Tensor],
-        cotangents: tuple | None,
-        device: torch.device,
-        module: torch.nn.Module,
-        background: bool,
-        eager: EagerRecord | None,
-    ) -> tuple[GraphPair, bool]:
-        """Capture; load the graphs from disk or export and check them. (pair, from disk)
+    @staticmethod
+    def _with_lines_fixed(entry: SignatureEntry,
+                          build: Callable[[frozenset[tuple[str, int]]], Any]) -> Any:
+        """`build(fixed)`: the build with the values from data at the lines `fixed` the first
+        call's.
 
         Where the first call read the length of an op's result from data (`x[mask]`,
         `nonzero`, `torch.where(mask)`: `capture/selections.py`) or integers (`item()`,
@@ -774,17 +767,15 @@ class Runtime:
         lines = checks.lines_from_data(entry.reads)
         while entry.fixed_lines is not None and not lines <= entry.fixed_lines:
             try:
-                return self._built_pair(signature, entry, mask, primals, cotangents, device,
-                                        module, background, eager, entry.fixed_lines)
+                return build(entry.fixed_lines)
             except CaptureError as error:
                 fixed = entry.fixed_lines | (error.lines & lines)
                 entry.fixed_lines = fixed if fixed != entry.fixed_lines else None
             except Exception:
                 entry.fixed_lines = None
-        return self._built_pair(signature, entry, mask, primals, cotangents, device, module,
-                                background, eager, lines)
+        return build(lines)
 
-    def _built_pair(
+    def _build_pair(
         self,
         signature: Signature,
         entry: SignatureEntry,
@@ -797,7 +788,8 @@ class Runtime:
         eager: EagerRecord | None,
         fixed: frozenset[tuple[str, int]],
     ) -> tuple[GraphPair, bool]:
-        """`_build_pair` with the values from data at the lines `fixed` the first call's."""
+        """Capture (the values from data at the lines `fixed` the first call's); load the
+        graphs from disk or export and check them. (pair, from disk)"""
         captured, key = self._trace(signature, entry, mask, primals, module, fixed)
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
