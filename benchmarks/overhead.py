@@ -13,7 +13,7 @@ is left above `ORT run` is the per-call cost a user pays on any model.
 `python -m benchmarks.overhead` prints the figures; `--spinning` measures instead the steady
 step of the BERT-shaped workload with ORT's intra-op threads spinning or not (and with one
 intra-op thread), interleaved with eager PyTorch: the measurement behind `session.py`'s settings
-(no spinning; as many intra-op threads as torch's, two on this project's machine).
+(spinning within a run only; as many intra-op threads as torch's, two on this project's machine).
 """
 
 from __future__ import annotations
@@ -177,13 +177,14 @@ def _ort_in_call(session: GraphSession, call: Callable[[], object], calls: int) 
 # ---- thread settings: ORT's intra-op threads spinning or not, on the BERT-shaped workload ----
 
 SETTINGS = {  # name -> (allow_spinning, intra_op_num_threads; None: torch's thread count)
-    "no spinning (lazygrad's setting)": (False, None),
-    "spinning (ORT's default)": (True, None),
-    "no spinning, 1 intra-op thread": (False, 1),
+    "spinning within runs only (lazygrad's setting)": ("within runs", None),
+    "no spinning": ("off", None),
+    "spinning (ORT's default)": ("always", None),
+    "no spinning, 1 intra-op thread": ("off", 1),
 }
 
 
-def _recreate_sessions(model: torch.nn.Module, spinning: bool, threads: int | None) -> None:
+def _recreate_sessions(model: torch.nn.Module, spinning: str, threads: int | None) -> None:
     """Every session of the model made again with these thread settings (the rest as
     `GraphSession` makes them)."""
     for entry in runtime_of(model)._pairs.values():

@@ -89,10 +89,11 @@ class GraphSession:
     def _create(
         self,
         level: onnxruntime.GraphOptimizationLevel,
-        spinning: bool = False,
+        spinning: str = "within runs",
         threads: int | None = None,
     ) -> onnxruntime.InferenceSession:
-        """`spinning`, `threads` (None: torch's intra-op thread count): the thread settings that
+        """`spinning` ("off", "within runs": spinning stops when a run returns, "always": ORT's
+        default), `threads` (None: torch's intra-op thread count): the thread settings that
         `benchmarks/overhead.py --spinning` compares; lazygrad uses the defaults."""
         options = onnxruntime.SessionOptions()
         # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
@@ -125,12 +126,17 @@ class GraphSession:
         if self.arena and self.device.type == "cpu":
             _register_shared_cpu_arena()
             options.add_session_config_entry("session.use_env_allocators", "1")
-        # ORT's intra-op threads spin after a run by default; torch's OpenMP threads, which run
-        # the user's loss and optimizer right after, then wait on cores the spinners hold
-        # (measured on 2 cores: an eager MoE step next to a lazy model 9 ms -> 58 ms; the
-        # BERT-shaped step with AdamW 1.11x slower spinning, 1.26-1.47x on a busier machine:
+        # ORT's intra-op threads spin between a run's kernels (a kernel's work reaches them
+        # without a wake-up) and stop when the run returns. ORT's default keeps them spinning
+        # after it too, and torch's OpenMP threads, which run the user's loss and optimizer
+        # right after, then wait on cores the spinners hold (on 2 cores: an eager MoE step next
+        # to a lazy model 9 ms -> 58 ms; the BERT-shaped step with AdamW 1.30-1.51x eager's
+        # against 1.09-1.15x within runs only and 1.16-1.22x never spinning, 2026-12-06:
         # benchmarks/results/overhead.md).
-        options.add_session_config_entry("session.intra_op.allow_spinning", str(int(spinning)))
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", str(int(spinning != "off")))
+        options.add_session_config_entry(
+            "session.force_spinning_stop", str(int(spinning == "within runs")))
         # ORT and torch take turns on the same cores, so ORT uses as many threads as torch
         # does, and `torch.set_num_threads` sets both (the same two threads as ORT's default
         # here; one thread made that step 1.51x slower, faster only while others loaded the

@@ -77,14 +77,17 @@ def test_state_updated_in_place_or_given_new_storage_or_layout_is_seen(call_inpu
     check()
 
 
-def test_sessions_use_torchs_thread_count_and_do_not_spin():
+def test_sessions_use_torchs_thread_count_and_spin_only_within_a_run():
+    """ORT's threads spin between a run's kernels but not after it, when torch's threads run
+    the loss and the optimizer on the same cores."""
     threads = torch.get_num_threads()
     try:
         for count in (1, threads):
             torch.set_num_threads(count)
             options = _affine_session()._session.get_session_options()
             assert options.intra_op_num_threads == count
-            assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+            assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+            assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     finally:
         torch.set_num_threads(threads)
 
