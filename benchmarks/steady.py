@@ -4,7 +4,8 @@ Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the 
 median over rounds of lazygrad's step over eager's in the same round), after each model's
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
 (capture/peephole.py), without the cap on ORT's constant folding (session.py: every
-constant folded, whatever its size), with ORT's CPU memory arena (session.py) and with layer-wise
+constant folded, whatever its size), with ORT's threads never spinning (session.py: they spin
+within a run by default), with ORT's CPU memory arena (session.py) and with layer-wise
 recomputation (`recompute_layers`, capture/layers.py: its cost), so each one's effect is
 measured in the same rounds as the rest, under the same load. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
@@ -31,6 +32,7 @@ from lazygrad.capture import peephole
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, no peephole": (("peephole",), {}),
     "lazygrad, constants folded uncapped": (("folding cap",), {}),
+    "lazygrad, never spinning": (("spinning within runs",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
@@ -39,16 +41,19 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
 @contextlib.contextmanager
 def without(parts: tuple[str, ...]) -> Iterator[None]:
     """Graphs built inside the block lack `parts` ("peephole": its rewrites; "folding cap":
-    the cap on ORT's constant folding, for the sessions made in the block)."""
-    rules, cap = peephole.RULES, session.FOLDED_AT_MOST
+    the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; the
+    last two for the sessions made in the block)."""
+    rules, cap, spinning = peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING
     if "peephole" in parts:
         peephole.RULES = []
     if "folding cap" in parts:
         session.FOLDED_AT_MOST = 0  # ORT's "no cap"
+    if "spinning within runs" in parts:
+        session.SPINNING = "off"
     try:
         yield
     finally:
-        peephole.RULES, session.FOLDED_AT_MOST = rules, cap
+        peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING = rules, cap, spinning
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:

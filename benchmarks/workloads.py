@@ -12,12 +12,14 @@ import random
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lazygrad.examples.models import (
     BertConfig,
     BertPretraining,
     MoELayer,
+    ResNet18,
     RoutedExperts,
     bert_batch,
 )
@@ -132,6 +134,30 @@ ROUTED = Workload(
 )
 
 
+def _resnet_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ResNet18(widths=(64, 128, 256, 512))
+
+
+@functools.cache
+def _resnet_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return (torch.randn(8, 3, 112, 112, generator=generator),
+            torch.randint(0, 10, (8,), generator=generator))
+
+
+# A torchvision-style CNN: ResNet-18's layout and widths, 112 px images, batch 8, training mode
+# (BatchNorm's batch statistics), cross-entropy over 10 classes.
+RESNET = Workload(
+    name="resnet18",
+    model=_resnet_model,
+    inputs=lambda index: _resnet_batch()[:1],
+    loss=lambda out, index: F.cross_entropy(out, _resnet_batch()[1]),
+    settle=2,
+    cycle=1,
+)
+
+
 def seq_lengths(lengths: tuple[int, ...]) -> Workload:
     """Workload 3: workload 1's loss, each pass visiting every length once in a shuffled order."""
 
@@ -152,4 +178,4 @@ def seq_lengths(lengths: tuple[int, ...]) -> Workload:
 
 # Workloads a fresh process can be asked to run, by name.
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE,
-                                                       ROUTED]}
+                                                       ROUTED, RESNET]}

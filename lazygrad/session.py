@@ -40,6 +40,11 @@ DISABLED_OPTIMIZERS = ["SkipLayerNormFusion", "GatherToSliceFusion"]
 # and small masks, well under it, are still folded.
 FOLDED_AT_MOST = 1 << 20
 
+# When ORT's intra-op threads spin waiting for work: "within runs" (between a run's kernels,
+# stopping when the run returns), "always" (ORT's default: after a run too) or "off". Why
+# "within runs": `_create`.
+SPINNING = "within runs"
+
 
 class GraphRunError(RuntimeError):
     """ORT cannot load or run a graph on these inputs (no kernel for a dtype, a shape mismatch)."""
@@ -89,12 +94,12 @@ class GraphSession:
     def _create(
         self,
         level: onnxruntime.GraphOptimizationLevel,
-        spinning: str = "within runs",
+        spinning: str | None = None,
         threads: int | None = None,
     ) -> onnxruntime.InferenceSession:
-        """`spinning` ("off", "within runs": spinning stops when a run returns, "always": ORT's
-        default), `threads` (None: torch's intra-op thread count): the thread settings that
-        `benchmarks/overhead.py --spinning` compares; lazygrad uses the defaults."""
+        """`spinning` (None: `SPINNING`), `threads` (None: torch's intra-op thread count): the
+        thread settings that `benchmarks/overhead.py --spinning` compares; lazygrad uses the
+        defaults."""
         options = onnxruntime.SessionOptions()
         # Fatal only: ORT's warnings (unused initializers) are noise here, and its errors come
         # back as exceptions that the runtime explains; printed as well, they would mislead.
@@ -133,6 +138,7 @@ class GraphSession:
         # to a lazy model 9 ms -> 58 ms; the BERT-shaped step with AdamW 1.30-1.51x eager's
         # against 1.09-1.15x within runs only and 1.16-1.22x never spinning, 2026-12-06:
         # benchmarks/results/overhead.md).
+        spinning = SPINNING if spinning is None else spinning
         options.add_session_config_entry(
             "session.intra_op.allow_spinning", str(int(spinning != "off")))
         options.add_session_config_entry(

@@ -1,7 +1,7 @@
 """A ResNet-18-shaped CNN trains through ORT as it trains in eager PyTorch, BatchNorm included.
 
-Written here rather than imported from torchvision (its wheel here is a CUDA build that breaks
-imports next to CPU torch): the ResNet-18 layout with BasicBlocks, at small widths and input.
+`lazygrad.examples.models.ResNet18` rather than torchvision's (its wheel here is a CUDA build
+that breaks imports next to CPU torch): the ResNet-18 layout with BasicBlocks, at small widths.
 """
 
 from __future__ import annotations
@@ -13,51 +13,9 @@ from conftest import ran_through_ort
 
 import lazygrad
 from lazygrad import attach
+from lazygrad.examples.models import ResNet18
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-class BasicBlock(torch.nn.Module):
-    def __init__(self, inputs: int, width: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(inputs, width, 3, stride, 1, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(width)
-        self.conv2 = torch.nn.Conv2d(width, width, 3, 1, 1, bias=False)
-        self.bn2 = torch.nn.BatchNorm2d(width)
-        self.downsample = None
-        if stride != 1 or inputs != width:
-            self.downsample = torch.nn.Sequential(
-                torch.nn.Conv2d(inputs, width, 1, stride, bias=False), torch.nn.BatchNorm2d(width)
-            )
-
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class ResNet18(torch.nn.Module):
-    """Stem (7x7 stride-2 convolution, BatchNorm, ReLU, 3x3 stride-2 max pooling), four stages of
-    two BasicBlocks with strides 1, 2, 2, 2, adaptive average pooling, a linear classifier."""
-
-    def __init__(self, widths=(8, 16, 32, 64), classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(widths[0])
-        self.maxpool = torch.nn.MaxPool2d(3, 2, 1)
-        stages, inputs = [], widths[0]
-        for width, stride in zip(widths, (1, 2, 2, 2)):
-            stages.append(torch.nn.Sequential(BasicBlock(inputs, width, stride),
-                                              BasicBlock(width, width, 1)))
-            inputs = width
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
-        self.fc = torch.nn.Linear(inputs, classes)
-
-    def forward(self, x):
-        x = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

@@ -6,6 +6,8 @@
 - `MoELayer`: top-1 routed experts returning (out, aux_loss), the load-balancing loss.
 - `RoutedExperts`: top-2 token routing, each expert run on its own tokens only (their count
   is data, another at every step), returning (out, aux_loss).
+- `ResNet18`: torchvision's ResNet-18 layout (BasicBlocks, BatchNorm, max pooling), widths
+  chosen by the caller; returns the logits.
 """
 
 from __future__ import annotations
@@ -160,3 +162,49 @@ class RoutedExperts(nn.Module):
         share = F.one_hot(chosen[:, 0], len(self.experts)).float().mean(0)
         aux = len(self.experts) * (share * probs.mean(0)).sum()
         return out.reshape(x.shape), aux
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual connection (downsampled by a strided
+    1x1 convolution where the width or the resolution changes)."""
+
+    def __init__(self, inputs: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, width, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.downsample = None
+        if stride != 1 or inputs != width:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inputs, width, 1, stride, bias=False), nn.BatchNorm2d(width)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet18(nn.Module):
+    """Stem (7x7 stride-2 convolution, BatchNorm, ReLU, 3x3 stride-2 max pooling), four stages of
+    two BasicBlocks with strides 1, 2, 2, 2, adaptive average pooling, a linear classifier."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        stages, inputs = [], widths[0]
+        for width, stride in zip(widths, (1, 2, 2, 2)):
+            stages.append(nn.Sequential(BasicBlock(inputs, width, stride),
+                                        BasicBlock(width, width, 1)))
+            inputs = width
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inputs, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
