@@ -5,7 +5,8 @@ median over rounds of lazygrad's step over eager's in the same round), after eac
 warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
 (capture/peephole.py), without the cap on ORT's constant folding (session.py: every
 constant folded, whatever its size), with ORT's threads never spinning (session.py: they spin
-within a run by default), with ORT's CPU memory arena (session.py) and with layer-wise
+within a run by default), with selections of zeros left ORT's Where (capture/zero_where.py),
+with ORT's CPU memory arena (session.py) and with layer-wise
 recomputation (`recompute_layers`, capture/layers.py: its cost), so each one's effect is
 measured in the same rounds as the rest, under the same load. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
@@ -26,13 +27,14 @@ import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
 from lazygrad import session
-from lazygrad.capture import peephole
+from lazygrad.capture import peephole, zero_where
 
 # peer -> (what its graphs are built without, its options to lazygrad.lazy)
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, no peephole": (("peephole",), {}),
     "lazygrad, constants folded uncapped": (("folding cap",), {}),
     "lazygrad, never spinning": (("spinning within runs",), {}),
+    "lazygrad, Where kept": (("zero where",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
@@ -41,19 +43,24 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
 @contextlib.contextmanager
 def without(parts: tuple[str, ...]) -> Iterator[None]:
     """Graphs built inside the block lack `parts` ("peephole": its rewrites; "folding cap":
-    the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; the
-    last two for the sessions made in the block)."""
+    the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; "zero
+    where": no selection of zeros made a product; the last three for the sessions made in the
+    block)."""
     rules, cap, spinning = peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING
+    smallest = zero_where.SMALLEST
     if "peephole" in parts:
         peephole.RULES = []
     if "folding cap" in parts:
         session.FOLDED_AT_MOST = 0  # ORT's "no cap"
     if "spinning within runs" in parts:
         session.SPINNING = "off"
+    if "zero where" in parts:
+        zero_where.SMALLEST = 1 << 62
     try:
         yield
     finally:
         peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING = rules, cap, spinning
+        zero_where.SMALLEST = smallest
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols
+from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols, zero_where
 from lazygrad.session import GraphRunError, GraphSession
 
 
@@ -102,6 +102,8 @@ class GraphPair:
                     if feed.kind == "primal" and feed.index < self._persistent
                 )
                 model = whole if segment is None else self.graphs.backward_segments[segment]
+                if device.type == "cpu":  # ORT's CPU Where is slow (zero_where.py)
+                    model = zero_where.zeros_selected_by_products(model)
                 found = self._sessions[key] = GraphSession(
                     model, device, state, self._arena, in_node_order=not forward)
             return found

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import onnx
 import onnx.helper
-import onnx.numpy_helper
 
 from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain
+from lazygrad.capture.onnx_constants import scalar_constants
 
 
 def fuse_erf_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -27,7 +26,10 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
     reads them."""
     graph = model.graph
     made_by = {output: node for node in graph.node for output in node.output}
-    constants = _scalar_constants(graph)
+    # float32 only: the formula's constants have x's type, and ORT's CPU Gelu kernel is
+    # float32's alone.
+    constants = {name: scalar.value for name, scalar in scalar_constants(graph).items()
+                 if scalar.data_type == onnx.TensorProto.FLOAT}
     nodes, inner = [], set()
     for node in graph.node:
         matched = _erf_gelu(node, made_by, constants)
@@ -88,19 +90,3 @@ def _is(node: onnx.NodeProto | None, op_type: str) -> bool:
 
 def _near(value: float | None, wanted: float) -> bool:
     return value is not None and abs(value - wanted) <= 1e-6 * wanted
-
-
-def _scalar_constants(graph: onnx.GraphProto) -> dict[str, float]:
-    """float32 scalars (or one-element tensors) of the graph's initializers and Constant nodes:
-    the formula's constants have x's type, and ORT's CPU Gelu kernel is float32's alone."""
-    tensors = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            value = next((a.t for a in node.attribute if a.name == "value"), None)
-            if value is not None:
-                tensors[node.output[0]] = value
-    found = {}
-    for name, tensor in tensors.items():
-        if tensor.data_type == onnx.TensorProto.FLOAT and int(np.prod(tensor.dims)) == 1:
-            found[name] = float(onnx.numpy_helper.to_array(tensor).reshape(()))
-    return found
