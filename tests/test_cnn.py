@@ -111,3 +111,8 @@ def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
     backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
     # The second convolution's input gradient is a transposed convolution; no Conv is left.
     assert "Conv" not in backward and backward.count("ConvTranspose") == 1, backward
+    # Each kernel-shaped weight gradient leaves ORT as its products' stack, viewed in torch:
+    # a Reshape making a graph output would be a copy (capture/reshaped_outputs.py).
+    graph = entry.pair.graphs.backward.graph
+    made_by = {output: node.op_type for node in graph.node for output in node.output}
+    assert [made_by[value.name] for value in graph.output].count("Reshape") == 0, made_by

@@ -35,6 +35,7 @@ from lazygrad.capture import (
     partition,
     peephole,
     python_random,
+    reshaped_outputs,
     segment,
     symbols,
     tidy,
@@ -259,8 +260,12 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
     # After the cut: onnx's shape inference knows no contrib op.
     forward = gelu.fuse_erf_gelu(forward)
     if backward is not None:
-        backward = gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(backward))
-        cut = [gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(part)) for part in cut]
+        final = reshaped_outputs.final_outputs(backward)
+        backward, *cut = (
+            reshaped_outputs.unreshaped_outputs(
+                gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(graph)), final)
+            for graph in (backward, *cut)
+        )
     return Graphs(
         forward=forward,
         backward=backward,

@@ -1,0 +1,57 @@
+"""A backward output made by a Reshape is returned as the Reshape's input, viewed in torch.
+
+ORT copies a Reshape whose result is a graph output (an output gets its own buffer). A
+convolution's weight gradient ends in one (`lowerings._weight_gradient_by_products` stacks its
+[C_out, C_in] products and views them as the kernel's shape): on a ResNet-18 step the three
+[512, 512, 3, 3] copies alone took 10 ms of ORT's kernel time (a fresh 9 MiB buffer each,
+page-faulted in). `GraphPair.backward` views each gradient as its primal's shape, which is free
+on ORT's contiguous result.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+
+def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
+    """`model` (changed in place) with each output named in `final` that a Reshape makes from a
+    value nothing else reads made by the Reshape's producer instead, its shape left unknown.
+    `final`: the whole backward's outputs that no node reads (a segment's outputs that later
+    segments read keep their shapes)."""
+    graph = model.graph
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    made_by = {output: node for node in graph.node for output in node.output}
+    outputs = {value.name for value in graph.output}
+    renamed: dict[str, str] = {}  # the Reshape's input -> the output it becomes
+    for value in graph.output:
+        node = made_by.get(value.name)
+        if value.name not in final or node is None or node.op_type != "Reshape" \
+                or node.domain not in ("", "ai.onnx"):
+            continue
+        source = node.input[0]
+        if source in made_by and readers.get(source) == 1 and source not in outputs:
+            renamed[source] = value.name
+    if not renamed:
+        return model
+    dropped = {id(made_by[output]) for output in renamed.values()}
+    nodes = [node for node in graph.node if id(node) not in dropped]
+    for node in nodes:
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in graph.output:
+        if value.name in renamed.values():
+            value.type.tensor_type.ClearField("shape")
+    kept = [value for value in graph.value_info if value.name not in renamed]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+    return model
+
+
+def final_outputs(model: onnx.ModelProto) -> set[str]:
+    """The outputs of the whole backward `model` that no node reads."""
+    read = {name for node in model.graph.node for name in node.input}
+    return {value.name for value in model.graph.output if value.name not in read}
