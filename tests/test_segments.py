@@ -203,12 +203,15 @@ def test_the_stash_is_freed_segment_by_segment(monkeypatch):
 def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
     """The stage on its own: a backward-like chain (each step reads one stashed input) cut in
     three; run in order, the segments give the whole graph's outputs, and each stashed input is
-    read by one segment only."""
+    read by one segment only. A Constant node every step reads is held by each segment, never
+    passed from one to the next as an input."""
     steps = 6
     stash = [f"saved{i}" for i in range(steps)]
-    nodes, current = [], "grad"
+    nodes, current = [oh.make_node("Constant", [], ["half"], value=oh.make_tensor(
+        "half", onnx.TensorProto.FLOAT, [], [0.5]))], "grad"
     for i, name in enumerate(reversed(stash)):
-        nodes.append(oh.make_node("Mul", [current, name], [f"g{i}"]))
+        nodes.append(oh.make_node("Mul", [current, name], [f"m{i}"]))
+        nodes.append(oh.make_node("Mul", [f"m{i}", "half"], [f"g{i}"]))
         nodes.append(oh.make_node("ReduceSum", [f"g{i}"], [f"w{i}"], keepdims=0))
         current = f"g{i}"
     vector = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["n"])
@@ -225,6 +228,7 @@ def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
     assert len(segments) == 3
     readers = [{value.name for value in part.graph.input} & set(stash) for part in segments]
     assert sum(map(len, readers)) == steps and set().union(*readers) == set(stash)
+    assert all("half" not in {value.name for value in part.graph.input} for part in segments)
     feeds = {name: np.random.rand(8).astype(np.float32) for name in ["grad", *stash]}
     expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
     values = dict(feeds)

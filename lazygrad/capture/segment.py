@@ -44,6 +44,7 @@ def split(
     size = _Sizes(inferred, env)
     if sum(map(size, releasable)) < SMALL_STASH:
         return []
+    _constants_as_initializers(graph)
     constants = {t.name for t in graph.initializer}
     nodes = _late_order(list(graph.node), size, constants)
     cuts = _cuts(nodes, releasable, count, size)
@@ -67,6 +68,27 @@ def split(
     for segment in segments:  # what the session reads of its outputs (complex ones)
         segment.metadata_props.extend(model.metadata_props)
     return segments
+
+
+def _constants_as_initializers(graph: onnx.GraphProto) -> None:
+    """The graph's Constant nodes (of a tensor value) made initializers, in place: each segment
+    then holds the constants it reads, where a Constant node's value crossed a cut as an input
+    (and, read as an input, was no longer a constant to what looks for one: zero_where.py)."""
+    outputs = {value.name for value in graph.output}  # made by the segment that returns them
+    nodes = []
+    for node in graph.node:
+        value = next((a.t for a in node.attribute if a.name == "value"), None) \
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") \
+            and node.output[0] not in outputs else None
+        if value is None:
+            nodes.append(node)
+            continue
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(value)
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 class _Sizes:
