@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import onnx
 
+from lazygrad.session import COMPLEX_OUTPUTS
+
 
 def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
     """`model` (changed in place) with each output named in `final` that a Reshape makes from a
@@ -25,11 +27,15 @@ def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelPro
             readers[name] = readers.get(name, 0) + 1
     made_by = {output: node for node in graph.node for output in node.output}
     outputs = {value.name for value in graph.output}
+    # A complex gradient leaves ORT as its real pairs, viewed as complex by their last axis:
+    # that axis must stay.
+    complex_outputs = {name for entry in model.metadata_props if entry.key == COMPLEX_OUTPUTS
+                       for name in entry.value.split(",")}
     renamed: dict[str, str] = {}  # the Reshape's input -> the output it becomes
     for value in graph.output:
         node = made_by.get(value.name)
-        if value.name not in final or node is None or node.op_type != "Reshape" \
-                or node.domain not in ("", "ai.onnx"):
+        if value.name not in final or value.name in complex_outputs or node is None \
+                or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
             continue
         source = node.input[0]
         if source in made_by and readers.get(source) == 1 and source not in outputs:
