@@ -39,24 +39,23 @@ def zeros_selected_by_products(model: onnx.ModelProto) -> onnx.ModelProto:
     zeros = {name for name, scalar in scalar_constants(graph).items()
              if scalar.value == 0.0 and scalar.rank == 0 and scalar.data_type in _FLOATS}
     types = {value.name: value.type for value in [*graph.value_info, *graph.output]}
-    found = [node for node in graph.node if _selects_zeros(node, zeros, types)]
-    if not found:
+    if not any(_selects_zeros(node, zeros, types) for node in graph.node):
         return model
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    graph = model.graph
     nodes = []
-    for node in graph.node:
-        if node.op_type == "Where" and node.domain in ("", "ai.onnx") \
-                and _selects_zeros(node, zeros, types):
+    for node in model.graph.node:
+        if _selects_zeros(node, zeros, types):
             nodes.extend(_checked_product(node, zeros, types[node.output[0]]))
         else:
             nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     return model
 
 
 def _selects_zeros(node: onnx.NodeProto, zeros: set[str], types: dict) -> bool:
+    """Whether `node` is a Where between a scalar zero and a tensor, of SMALLEST elements or
+    more."""
     if node.op_type != "Where" or node.domain not in ("", "ai.onnx"):
         return False
     _, picked, other = node.input
