@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from lazygrad.capture import Aliasing, Feed, Graphs, apply_views, symbols, zero_where
+from lazygrad.capture import (
+    Aliasing,
+    Feed,
+    Graphs,
+    apply_views,
+    reshaped_outputs,
+    symbols,
+    zero_where,
+)
 from lazygrad.session import GraphRunError, GraphSession
 
 
@@ -56,6 +64,12 @@ class GraphPair:
         # The roots that get a cotangent: those the outputs of the mask are made from.
         self.root_mask = None if mask is None else self.aliasing.root_mask(mask)
         self._segments = _schedule(graphs) if graphs.backward_segments else []
+        # The gradients ORT returns before their last Reshape (capture/reshaped_outputs.py),
+        # by position among the backward's outputs.
+        backward = graphs.backward
+        peeled = reshaped_outputs.unreshaped(backward) if backward is not None else set()
+        outputs = backward.graph.output if backward is not None else ()
+        self._unreshaped = {at for at, value in enumerate(outputs) if value.name in peeled}
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -201,10 +215,10 @@ class GraphPair:
         else:
             outputs = self.session("backward", device).run(inputs)
         grads: list[torch.Tensor | None] = [None] * len(primals)
-        for index, grad in zip(self.graphs.grads_for, outputs):
-            # A gradient ORT returned before its last Reshape (capture/reshaped_outputs.py)
-            shape = primals[index].shape
-            grads[index] = grad if grad.shape == shape else grad.view(shape)
+        for position, (index, grad) in enumerate(zip(self.graphs.grads_for, outputs)):
+            if position in self._unreshaped:  # returned before its Reshape: viewed here
+                grad = grad.view(primals[index].shape)
+            grads[index] = grad
         return grads
 
     def _run_segments(self, inputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from conftest import ran_through_ort
 
 import lazygrad
 from lazygrad import attach
+from lazygrad.capture import reshaped_outputs
 from lazygrad.examples.models import ResNet18
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -116,3 +117,4 @@ def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
     graph = entry.pair.graphs.backward.graph
     made_by = {output: node.op_type for node in graph.node for output in node.output}
     assert [made_by[value.name] for value in graph.output].count("Reshape") == 0, made_by
+    assert len(reshaped_outputs.unreshaped(entry.pair.graphs.backward)) == 2  # both kernels

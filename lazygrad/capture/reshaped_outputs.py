@@ -5,7 +5,7 @@ convolution's weight gradient ends in one (`lowerings._weight_gradient_by_produc
 [C_out, C_in] products and views them as the kernel's shape): on a ResNet-18 step the three
 [512, 512, 3, 3] copies alone took 10 ms of ORT's kernel time (a fresh 9 MiB buffer each,
 page-faulted in). `GraphPair.backward` views each gradient as its primal's shape, which is free
-on ORT's contiguous result.
+on ORT's contiguous result (the outputs it views are named in the model's metadata).
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from __future__ import annotations
 import onnx
 
 from lazygrad.session import COMPLEX_OUTPUTS
+
+# The model's metadata key listing, comma-separated, the outputs returned before their Reshape:
+# only those are viewed (a gradient of another shape is an error, not a view).
+UNRESHAPED_OUTPUTS = "lazygrad.unreshaped_outputs"
 
 
 def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
@@ -54,7 +58,14 @@ def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelPro
     kept = [value for value in graph.value_info if value.name not in renamed]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    model.metadata_props.add(key=UNRESHAPED_OUTPUTS, value=",".join(sorted(renamed.values())))
     return model
+
+
+def unreshaped(model: onnx.ModelProto) -> set[str]:
+    """The outputs of `model` that `unreshaped_outputs` returns before their Reshape."""
+    return {name for entry in model.metadata_props if entry.key == UNRESHAPED_OUTPUTS
+            for name in entry.value.split(",")}
 
 
 def final_outputs(model: onnx.ModelProto) -> set[str]:
