@@ -20,11 +20,11 @@ from lazygrad.capture import zero_where
 SHAPE = [4, 16, 32, 32]  # above zero_where.SMALLEST
 
 
-def _selection(zero_first: bool, shape: list[int] = SHAPE) -> onnx.ModelProto:
-    """y = Where(x <= 0, 0, g) (or Where(x > 0, g, 0)), the zero a Cast of a scalar constant as
-    torchlib writes threshold_backward's."""
+def _selection(zero_first: bool, shape: list[int] = SHAPE, fill: float = 0.0) -> onnx.ModelProto:
+    """y = Where(x <= 0, fill, g) (or Where(x > 0, g, fill)), the fill a Cast of a scalar
+    constant as torchlib writes threshold_backward's zero."""
     zero = [helper.make_node("Constant", [], ["zero_double"],
-                             value=helper.make_tensor("z", TensorProto.DOUBLE, [], [0.0])),
+                             value=helper.make_tensor("z", TensorProto.DOUBLE, [], [fill])),
             helper.make_node("Cast", ["zero_double"], ["zero"], to=TensorProto.FLOAT)]
     compare = "LessOrEqual" if zero_first else "Greater"
     operands = ["mask", "zero", "g"] if zero_first else ["mask", "g", "zero"]
@@ -70,15 +70,8 @@ def test_a_selection_of_zeros_is_the_product_and_falls_back_to_the_where_on_infi
 
 
 def test_small_selections_and_selections_of_other_values_stay_where_nodes():
-    small = _selection(True, [4, 8])
-    assert zero_where.zeros_selected_by_products(small) is small
-    other = _selection(True)
-    for node in other.graph.node:
-        if node.op_type == "Cast":
-            node.input[0] = "origin_one"
-    other.graph.node.insert(0, helper.make_node("Constant", [], ["origin_one"], value=helper
-                                                .make_tensor("one", TensorProto.FLOAT, [], [1.0])))
-    assert zero_where.zeros_selected_by_products(other) is other
+    for left in (_selection(True, [4, 8]), _selection(True, fill=1.0)):
+        assert zero_where.zeros_selected_by_products(left) is left
 
 
 class ReluNet(torch.nn.Module):

@@ -17,6 +17,8 @@ import onnx.numpy_helper
 
 @dataclasses.dataclass(frozen=True)
 class Scalar:
+    """A one-element constant: its value, element type and rank."""
+
     value: float
     data_type: int  # onnx.TensorProto's code
     rank: int  # 0, or the dimensions of size 1 a broadcast against it adds

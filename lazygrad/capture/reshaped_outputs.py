@@ -20,10 +20,10 @@ UNRESHAPED_OUTPUTS = "lazygrad.unreshaped_outputs"
 
 
 def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
-    """`model` (changed in place) with each output named in `final` that a Reshape makes from a
-    value nothing else reads made by the Reshape's producer instead, its shape left unknown.
-    `final`: the whole backward's outputs that no node reads (a segment's outputs that later
-    segments read keep their shapes)."""
+    """`model` (changed in place) where each output named in `final` that a Reshape makes, from
+    a value nothing else reads, is made by that value's producer instead, its shape left unknown
+    and its name listed in the metadata. `final`: the whole backward's outputs that no node
+    reads (a segment's outputs that later segments read keep their shapes)."""
     graph = model.graph
     readers: dict[str, int] = {}
     for node in graph.node:
