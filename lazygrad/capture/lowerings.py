@@ -64,6 +64,9 @@ def convolution_backward(
                 grad_output, weight, None, stride, padding, dilation, False, [0] * len(stride),
                 groups,
             )
+        elif _columns_pay(grad_output, groups):
+            grad_input = _input_gradient_by_columns(grad_output, input, weight, stride, padding,
+                                                    dilation)
         else:
             grad_input = _input_gradient(grad_output, input, weight, stride, padding, dilation,
                                          groups)
@@ -102,6 +105,39 @@ def _input_gradient(grad_output, input, weight, stride, padding, dilation, group
         full = aten.slice.Tensor(full, 2 + axis, padding[axis],
                                  padding[axis] + input.shape[2 + axis])
     return full
+
+
+# Output positions per image up to which an input gradient is one product over the batch and a
+# col2im (`_input_gradient_by_columns`) rather than a transposed convolution. Measured on ORT's
+# CPU (2 threads, batch 8, a 3x3 layer of as many channels in as out): 4 x 4 positions (512
+# channels) 3.1 against 5.3 ms, 7 x 7 (256) 2.6 against 3.0; 14 x 14 (128) 2.9 against 2.6.
+COLUMNS_UP_TO = 64
+
+
+def _columns_pay(grad_output: torch.Tensor, groups: int) -> bool:
+    """Whether a 2-D ungrouped convolution's input gradient is cheaper as columns: few static
+    positions per image (ORT's transposed convolution runs one thin product per image there),
+    float32 on the CPU (ONNX Runtime's Col2Im kernel; CUDA's transposed convolution is cuDNN's)."""
+    spatial = grad_output.shape[2:]
+    return (len(spatial) == 2 and groups == 1 and grad_output.dtype == torch.float32
+            and grad_output.device.type == "cpu"
+            and all(isinstance(size, int) for size in spatial)
+            and spatial[0] * spatial[1] <= COLUMNS_UP_TO)
+
+
+def _input_gradient_by_columns(grad_output, input, weight, stride, padding, dilation):
+    """The input gradient as the columns each output position spreads back, [C_in x kernel
+    positions, batch x positions], one matrix product over the whole batch, summed into the
+    input's positions by col2im (`F.fold`), which covers exactly the input's extent."""
+    batch, channels_out = grad_output.shape[0], grad_output.shape[1]
+    positions = grad_output.shape[2] * grad_output.shape[3]
+    gradient = aten.reshape.default(aten.permute.default(grad_output, [1, 0, 2, 3]),
+                                    [channels_out, batch * positions])
+    weights = aten.view.default(weight, [channels_out, -1])
+    columns = aten.mm.default(aten.t.default(weights), gradient)
+    columns = aten.permute.default(aten.view.default(columns, [-1, batch, positions]), [1, 0, 2])
+    return aten.col2im.default(columns, list(input.shape[2:]), list(weight.shape[2:]),
+                               list(dilation), list(padding), list(stride))
 
 
 def _weight_gradient(grad_output, input, weight, stride, padding, dilation, groups):
