@@ -88,18 +88,13 @@ def test_resnet18_shaped_cnn_trains_through_ort_like_eager_running_statistics_in
     assert stats.builds == 2  # the training pair of the one mask, the eval inference graph
 
 
-def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
-    """As a convolution of the input by the output gradient, ORT ran it as one thin product
-    per input channel (a 1x1 convolution's a matrix-vector product): a ResNet-50's step took
-    3x eager's. It is one product per kernel position over the batch and positions; strided,
-    dilated and padded weight gradients stay eager's."""
-    torch.manual_seed(0)
-    eager = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, stride=2, padding=2, dilation=2), torch.nn.Tanh(),
-        torch.nn.Conv2d(8, 4, 1), torch.nn.Flatten())
+def _three_steps_like_eager(eager: torch.nn.Module, shape: tuple[int, ...]) -> torch.nn.Module:
+    """A lazy copy of `eager` and eager itself, three steps on random inputs of `shape` (the
+    sum of the output's squares): outputs and gradients alike at every step, the last two
+    through ORT with no fallback and no break. Returns the lazy model."""
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     for step in range(3):
-        x = torch.randn(2, 3, 11, 13)
+        x = torch.randn(*shape)
         for module in (lazy, eager):
             module.zero_grad(set_to_none=True)
         got, want = lazy(x), eager(x)
@@ -109,6 +104,19 @@ def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
         _assert_grads_close(lazy, eager, f"step {step}")
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    return lazy
+
+
+def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
+    """As a convolution of the input by the output gradient, ORT ran it as one thin product
+    per input channel (a 1x1 convolution's a matrix-vector product): a ResNet-50's step took
+    3x eager's. It is one product per kernel position over the batch and positions; strided,
+    dilated and padded weight gradients stay eager's."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2, padding=2, dilation=2), torch.nn.Tanh(),
+        torch.nn.Conv2d(8, 4, 1), torch.nn.Flatten())
+    lazy = _three_steps_like_eager(eager, (2, 3, 11, 13))
     (entry,) = attach.installed(lazy)._pairs.values()
     backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
     # The second convolution's input gradient (6 x 7 positions) is columns summed by a Col2Im
@@ -133,18 +141,7 @@ def test_an_input_gradient_is_columns_over_few_positions_and_a_transposed_convol
         torch.nn.Conv2d(3, 6, 1), torch.nn.ReLU(),
         torch.nn.Conv2d(6, 8, 3, stride=2, padding=2, dilation=2), torch.nn.Tanh(),
         torch.nn.Conv2d(8, 4, (3, 2), stride=(1, 2), padding=(1, 0)), torch.nn.Flatten())
-    lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step in range(3):
-        x = torch.randn(2, 3, size, size + 1)
-        for module in (lazy, eager):
-            module.zero_grad(set_to_none=True)
-        got, want = lazy(x), eager(x)
-        _assert_close(got, want, f"step {step}: output")
-        got.square().sum().backward()
-        want.square().sum().backward()
-        _assert_grads_close(lazy, eager, f"step {step}")
-    stats = lazygrad.stats(lazy)
-    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    lazy = _three_steps_like_eager(eager, (2, 3, size, size + 1))
     (entry,) = attach.installed(lazy)._pairs.values()
     backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
     # The input gradients of the second and third convolutions (the first's is not needed)
