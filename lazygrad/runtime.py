@@ -41,6 +41,7 @@ from lazygrad.capture import (
     export,
     refuse_reads,
     unchanged,
+    watching_first_call,
 )
 from lazygrad.eager import eager_mode, in_eager_mode
 from lazygrad.eager_record import EagerRecord, Watch
@@ -530,7 +531,7 @@ class Runtime:
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
         watch = Watch(list(state.values()), call.tensors)
-        with checks.recording() as reads:
+        with checks.recording() as reads, watching_first_call(self.module) as refuse_hooks:
             result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
@@ -548,7 +549,8 @@ class Runtime:
             return result
         try:
             template, tensors = OutputTemplate.of(self._with_writes(result, self.module))
-        except ValueError as error:
+            refuse_hooks([*state.values(), *call.tensors, *tensors])
+        except (ValueError, CaptureError) as error:
             return self._fall_back(signature, call, args, kwargs, str(error), result)
         state_names = list(state)
         primals = [*state.values(), *call.tensors]

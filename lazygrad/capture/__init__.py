@@ -12,10 +12,11 @@ on-disk cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -65,6 +66,7 @@ __all__ = [
     "refuse_reads",
     "symbols",
     "unchanged",
+    "watching_first_call",
 ]
 
 
@@ -139,6 +141,27 @@ def _refuse_sizes_no_input_holds(codes: Sequence[str], locations: symbols.Locati
     if unknown:
         raise CaptureError(f"the forward {what} of sizes that no input holds",
                            lines=data_lengths.lines_named(unknown))
+
+
+@contextlib.contextmanager
+def watching_first_call(
+    module: torch.nn.Module,
+) -> Iterator[Callable[[Iterable[torch.Tensor]], None]]:
+    """Around a signature's first call, which eager PyTorch runs before any trace: yields
+    `refuse(own)`, to call after it, which raises CaptureError where the user's hooks on
+    submodules kept a tensor or ran for side effects only, or the call put a tensor in a
+    global store, as a trace would find, but before a trace hands them its tensors
+    (`forward_hooks.watching_eager_call`, `escapes.GlobalStores`). `own`: the tensors the
+    caller holds (the module's state, the call's inputs, what it returned)."""
+    stores = escapes.GlobalStores(module)
+    with forward_hooks.watching_eager_call(module) as seen:
+        def refuse(own: Iterable[torch.Tensor]) -> None:
+            own = list(own)
+            escapes.refuse_kept_by_hooks(seen.touched, module, own)
+            stores.refuse_new(own)
+            forward_hooks.refuse_side_effects(seen.side_effects)
+
+        yield refuse
 
 
 def capture(

@@ -20,18 +20,29 @@ forward, the traced graphs); other threads' calls (an eager step beside a backgr
 reach them as they are. Nor does a trace call global backward hooks (`backward_hooks.py`): a
 module traced with them (one without submodules, around whose lazy call they run) would apply
 them twice.
+
+A trace calls the hooks with its own tensors, so whatever such a hook does reaches the user's
+objects once per trace: a counter counts the trace's calls, and a list that collects outputs
+holds the trace's tensors, which fail the user's code that stacks them later ("Attempting to
+use FunctionalTensor on its own"). A signature's first call, which eager PyTorch runs anyway,
+watches the same hooks with real tensors first (`watching_eager_call`): a hook found there to
+run for side effects, or to keep a tensor (`escapes.refuse_kept_by_hooks`), sends the module to
+its parts before any trace calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from lazygrad import global_hooks
 from lazygrad.capture.errors import CaptureError
@@ -50,6 +61,42 @@ def watching(module: torch.nn.Module) -> Iterator[list[str]]:
     ran for side effects only (`refuse_side_effects`); the global hooks of the user's are hidden
     from this thread. The hooks are put back on exit."""
     found: list[str] = []
+    with _users_hooks_wrapped(module, lambda hook, name: _watched(hook, name, found)) as swapped:
+        for hooks in global_hooks.ALL:
+            for key, hook in list(hooks.items()):
+                if _users(hook):
+                    hooks[key] = _hidden_from_this_thread(hook)
+                    swapped.append((hooks, key, hook))
+        yield found
+
+
+@dataclasses.dataclass
+class EagerHooks:
+    """What the user's hooks on submodules did in an eager call (`watching_eager_call`)."""
+
+    side_effects: list[str] = dataclasses.field(default_factory=list)  # as `watching` yields
+    touched: list[weakref.ref] = dataclasses.field(default_factory=list)  # tensors they saw or made
+
+
+@contextlib.contextmanager
+def watching_eager_call(module: torch.nn.Module) -> Iterator[EagerHooks]:
+    """Around an eager call of `module`: the user's hooks on its submodules run as they would,
+    watched as a trace watches them (`watching`) and with the tensors they are given, return
+    or make referenced weakly, for `escapes.refuse_kept_by_hooks`. Global hooks are left alone
+    (an eager call runs them). The hooks are put back on exit."""
+    seen = EagerHooks()
+    with _users_hooks_wrapped(module, lambda hook, name: _watched(hook, name, seen.side_effects,
+                                                                  seen.touched)):
+        yield seen
+
+
+@contextlib.contextmanager
+def _users_hooks_wrapped(
+    module: torch.nn.Module, wrap: Callable[[Callable[..., Any], str], Callable[..., Any]],
+) -> Iterator[list[tuple[dict, Any, Callable[..., Any]]]]:
+    """Each forward hook and pre-hook of the user's on a submodule of `module` replaced by
+    `wrap(hook, submodule name)`; yields the list of what was replaced, to which more may be
+    added, all put back on exit."""
     swapped: list[tuple[dict, Any, Callable[..., Any]]] = []
     for name, submodule in module.named_modules():
         if not name:  # the module's own hooks wrap its lazy call
@@ -58,15 +105,10 @@ def watching(module: torch.nn.Module) -> Iterator[list[str]]:
             hooks = getattr(submodule, attribute, None) or {}
             for key, hook in list(hooks.items()):
                 if _users(hook):
-                    hooks[key] = _watched(hook, name, found)
+                    hooks[key] = wrap(hook, name)
                     swapped.append((hooks, key, hook))
-    for hooks in global_hooks.ALL:
-        for key, hook in list(hooks.items()):
-            if _users(hook):
-                hooks[key] = _hidden_from_this_thread(hook)
-                swapped.append((hooks, key, hook))
     try:
-        yield found
+        yield swapped
     finally:
         for hooks, key, hook in swapped:
             if key in hooks:
@@ -99,15 +141,24 @@ def _users(hook: Callable[..., Any]) -> bool:
     return code is not None and not is_library(code.co_filename)
 
 
-def _watched(hook: Callable[..., Any], name: str, found: list[str]) -> Callable[..., Any]:
+def _watched(hook: Callable[..., Any], name: str, found: list[str],
+             touched: list[weakref.ref] | None = None) -> Callable[..., Any]:
+    """`hook`, noting `name` in `found` when it returns nothing and runs no tensor op; with
+    `touched`, the tensors it is given, returns or makes too (weakly)."""
     def watched(*args: Any, **kwargs: Any) -> Any:
-        with _Computing() as computing:
+        with _Computing(touched) as computing:
             result = hook(*args, **kwargs)
+        if touched is not None:
+            touched.extend(_weak_tensors((args, kwargs, result)))
         if result is None and not computing.ops:
             found.append(name)
         return result
 
     return watched
+
+
+def _weak_tensors(tree: Any) -> list[weakref.ref]:
+    return [weakref.ref(leaf) for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def _hidden_from_this_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,13 +171,18 @@ def _hidden_from_this_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Computing(TorchFunctionMode):
-    """Counts the tensor ops run inside it, metadata reads aside."""
+    """Counts the tensor ops run inside it, metadata reads aside; with `made`, notes (weakly)
+    the tensors they return."""
 
-    def __init__(self) -> None:
+    def __init__(self, made: list[weakref.ref] | None = None) -> None:
         super().__init__()
         self.ops = 0
+        self.made = made
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if getattr(func, "__name__", "") not in _METADATA:
             self.ops += 1
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if self.made is not None:
+            self.made.extend(_weak_tensors(result))
+        return result
