@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import io
@@ -14,6 +15,7 @@ import torch
 from conftest import assert_close, assert_grads_equal, sum_step_like_eager
 
 import lazygrad
+from lazygrad.capture import forward_hooks
 from lazygrad.examples.models import ThreeHeadMLP
 
 
@@ -233,7 +235,8 @@ def test_a_submodule_hook_that_collects_outputs_in_a_list_holds_each_steps_real_
     lazy, lazy_store, eager, eager_store = _hooked_pair(
         lambda store: lambda module, args, out: store.setdefault("outputs", []).append(
             out.detach()))
-    with pytest.warns(lazygrad.GraphBreakWarning, match=r"keeps 1 tensor\(s\) after the call \(a list"):
+    kept = r"keeps 1 tensor\(s\) after the call \(a list"
+    with pytest.warns(lazygrad.GraphBreakWarning, match=kept):
         for step in range(4):
             x = torch.randn(5, 8)
             for model in (lazy, eager):
@@ -247,6 +250,40 @@ def test_a_submodule_hook_that_collects_outputs_in_a_list_holds_each_steps_real_
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.fallbacks == 0
     assert {name: part.hits for name, part in stats.parts.items()} == {"0": 2, "2": 2}
+
+
+@pytest.mark.parametrize("eager_ends_first", [True, False])
+@pytest.mark.parametrize("eager_starts_first", [True, False])
+def test_watches_that_overlap_each_see_the_hook_and_leave_the_users_own(eager_starts_first,
+                                                                         eager_ends_first):
+    """A signature's first call, watched on the caller's thread, may start or end while the
+    background trace of another watches the same hooks: each sees its calls while it runs, and
+    the user's own hook is back in its dict once both end, in any order."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    calls = []
+    hook = lambda module, args, out: calls.append(1)  # noqa: E731 (a counter: a side effect)
+    net[0].register_forward_hook(hook)
+    (key,) = net[0]._forward_hooks
+    with contextlib.ExitStack() as trace_watch, contextlib.ExitStack() as eager_watch:
+        def eager_start():
+            return eager_watch.enter_context(forward_hooks.watching_eager_call(net))
+
+        def trace_start():
+            return trace_watch.enter_context(forward_hooks.watching(net))
+
+        order = [eager_start, trace_start] if eager_starts_first else [trace_start, eager_start]
+        started = {start: start() for start in order}
+        seen, found = started[eager_start], started[trace_start]
+        net(torch.randn(2, 3))
+        assert seen.side_effects == ["0"] and found == ["0"] and len(calls) == 1
+        (eager_watch if eager_ends_first else trace_watch).close()
+        net(torch.randn(2, 3))
+        assert len(calls) == 2
+        assert (found, seen.side_effects) == ((["0", "0"], ["0"]) if eager_ends_first
+                                              else (["0"], ["0", "0"]))
+    assert net[0]._forward_hooks[key] is hook
+    net(torch.randn(2, 3))
+    assert len(calls) == 3
 
 
 _ACTIVATIONS: list = []

@@ -61,12 +61,10 @@ def watching(module: torch.nn.Module) -> Iterator[list[str]]:
     ran for side effects only (`refuse_side_effects`); the global hooks of the user's are hidden
     from this thread. The hooks are put back on exit."""
     found: list[str] = []
-    with _users_hooks_wrapped(module, lambda hook, name: _watched(hook, name, found)) as swapped:
-        for hooks in global_hooks.ALL:
-            for key, hook in list(hooks.items()):
-                if _users(hook):
-                    hooks[key] = _hidden_from_this_thread(hook)
-                    swapped.append((hooks, key, hook))
+    thread = threading.get_ident()
+    global_ones = [(hooks, None) for hooks in global_hooks.ALL]
+    with _users_hooks_wrapped(_hook_dicts(module), _watch(found, None, None)), \
+            _users_hooks_wrapped(global_ones, lambda name: _hidden_from(thread)):
         yield found
 
 
@@ -80,39 +78,65 @@ class EagerHooks:
 
 @contextlib.contextmanager
 def watching_eager_call(module: torch.nn.Module) -> Iterator[EagerHooks]:
-    """Around an eager call of `module`: the user's hooks on its submodules run as they would,
-    watched as a trace watches them (`watching`) and with the tensors they are given, return
-    or make referenced weakly, for `escapes.refuse_kept_by_hooks`. Global hooks are left alone
-    (an eager call runs them). The hooks are put back on exit."""
+    """Around an eager call of `module` on this thread: the user's hooks on its submodules run
+    as they would, watched as a trace watches them (`watching`), and the tensors they are
+    given, return or make are referenced weakly, for `escapes.refuse_kept_by_hooks`. Global
+    hooks are left alone (an eager call runs them). The hooks are put back on exit."""
     seen = EagerHooks()
-    with _users_hooks_wrapped(module, lambda hook, name: _watched(hook, name, seen.side_effects,
-                                                                  seen.touched)):
+    with _users_hooks_wrapped(_hook_dicts(module), _watch(seen.side_effects, seen.touched,
+                                                          threading.get_ident())):
         yield seen
+
+
+class _Wrapped:
+    """A hook of the user's as a watch replaced it in its dict: `around(hook, ...)` runs it
+    while the watch is on. A watch may start or end while another one runs (a signature's first
+    call, watched on the caller's thread, beside the background trace of another): each wraps
+    what the dict holds, and each puts back what is under its wrapper once it ends, past any
+    other watch's that has ended too (`_users_hooks_wrapped`), so a watch that ends first takes
+    no wrapper of a running one away, and none is left behind."""
+
+    def __init__(self, hook: Callable[..., Any], around: Callable[..., Any]) -> None:
+        self.__wrapped__ = hook
+        self.around = around
+        self.active = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.__wrapped__(*args, **kwargs)
+        return self.around(self.__wrapped__, *args, **kwargs)
 
 
 @contextlib.contextmanager
 def _users_hooks_wrapped(
-    module: torch.nn.Module, wrap: Callable[[Callable[..., Any], str], Callable[..., Any]],
-) -> Iterator[list[tuple[dict, Any, Callable[..., Any]]]]:
-    """Each forward hook and pre-hook of the user's on a submodule of `module` replaced by
-    `wrap(hook, submodule name)`; yields the list of what was replaced, to which more may be
-    added, all put back on exit."""
-    swapped: list[tuple[dict, Any, Callable[..., Any]]] = []
-    for name, submodule in module.named_modules():
-        if not name:  # the module's own hooks wrap its lazy call
-            continue
-        for attribute in _HOOKS:
-            hooks = getattr(submodule, attribute, None) or {}
-            for key, hook in list(hooks.items()):
-                if _users(hook):
-                    hooks[key] = wrap(hook, name)
-                    swapped.append((hooks, key, hook))
+    dicts: list[tuple[dict, str | None]], around_for: Callable[[str | None], Callable[..., Any]],
+) -> Iterator[None]:
+    """Each hook of the user's in `dicts` (hook dicts, each with its submodule's name) replaced
+    by a `_Wrapped` with `around_for(name)` for the time of the block."""
+    swapped: list[tuple[dict, Any, _Wrapped]] = []
+    for hooks, name in dicts:
+        for key, hook in list(hooks.items()):
+            if _users(hook):
+                hooks[key] = wrapper = _Wrapped(hook, around_for(name))
+                swapped.append((hooks, key, wrapper))
     try:
-        yield swapped
+        yield
     finally:
-        for hooks, key, hook in swapped:
+        for _, _, wrapper in swapped:
+            wrapper.active = False
+        for hooks, key, _ in swapped:
+            held = hooks.get(key)
+            while isinstance(held, _Wrapped) and not held.active:
+                held = held.__wrapped__
             if key in hooks:
-                hooks[key] = hook
+                hooks[key] = held
+
+
+def _hook_dicts(module: torch.nn.Module) -> list[tuple[dict, str | None]]:
+    """The forward hook and pre-hook dicts of `module`'s submodules (its own hooks wrap its
+    lazy call), each with the submodule's name."""
+    return [(hooks, name) for name, submodule in module.named_modules() if name
+            for attribute in _HOOKS if (hooks := getattr(submodule, attribute, None))]
 
 
 def refuse_global_hooks(module: torch.nn.Module) -> None:
@@ -135,36 +159,43 @@ def refuse_side_effects(found: list[str]) -> None:
 
 def _users(hook: Callable[..., Any]) -> bool:
     """Whether the hook's code is the user's, not an installed library's."""
+    while isinstance(hook, _Wrapped):
+        hook = hook.__wrapped__
     target: Any = hook.func if isinstance(hook, functools.partial) else hook
     target = getattr(target, "__func__", target)
     code = getattr(target, "__code__", None) or getattr(type(target).__call__, "__code__", None)
     return code is not None and not is_library(code.co_filename)
 
 
-def _watched(hook: Callable[..., Any], name: str, found: list[str],
-             touched: list[weakref.ref] | None = None) -> Callable[..., Any]:
-    """`hook`, noting `name` in `found` when it returns nothing and runs no tensor op; with
-    `touched`, the tensors it is given, returns or makes too (weakly)."""
-    def watched(*args: Any, **kwargs: Any) -> Any:
-        with _Computing(touched) as computing:
-            result = hook(*args, **kwargs)
-        if touched is not None:
-            touched.extend(_weak_tensors((args, kwargs, result)))
-        if result is None and not computing.ops:
-            found.append(name)
-        return result
+def _watch(found: list[str], touched: list[weakref.ref] | None,
+           thread: int | None) -> Callable[[str | None], Callable[..., Any]]:
+    """For `_users_hooks_wrapped`: a hook of submodule `name` run so that `name` is noted in
+    `found` when it returns nothing and runs no tensor op; with `touched`, the tensors it is
+    given, returns or makes are noted too (weakly); with `thread`, only its calls on that
+    thread are watched."""
+    def around_for(name: str | None) -> Callable[..., Any]:
+        def around(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            if thread is not None and threading.get_ident() != thread:
+                return hook(*args, **kwargs)
+            with _Computing(touched) as computing:
+                result = hook(*args, **kwargs)
+            if touched is not None:
+                touched.extend(_weak_tensors((args, kwargs, result)))
+            if result is None and not computing.ops:
+                found.append(name)
+            return result
 
-    return watched
+        return around
+
+    return around_for
 
 
 def _weak_tensors(tree: Any) -> list[weakref.ref]:
     return [weakref.ref(leaf) for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
-def _hidden_from_this_thread(hook: Callable[..., Any]) -> Callable[..., Any]:
-    thread = threading.get_ident()
-
-    def hidden(*args: Any, **kwargs: Any) -> Any:
+def _hidden_from(thread: int) -> Callable[..., Any]:
+    def hidden(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return None if threading.get_ident() == thread else hook(*args, **kwargs)
 
     return hidden
