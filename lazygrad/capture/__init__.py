@@ -46,6 +46,7 @@ from lazygrad.capture import (
 from lazygrad.capture.aliases import Aliasing, aliasing
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
+from lazygrad.capture.identity_outputs import identity_outputs_made_by_their_source
 from lazygrad.capture.tidy import Feed, OutputSlot, OutputView, Tidy, apply_views
 from lazygrad.capture.trace import Functional, refuse_reads, unchanged
 
@@ -281,12 +282,12 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         cut = segment.split(backward, stash, segments, example)
         seconds["segment"] = time.perf_counter() - started
     # After the cut: onnx's shape inference knows no contrib op.
-    forward = gelu.fuse_erf_gelu(forward)
+    forward = identity_outputs_made_by_their_source(gelu.fuse_erf_gelu(forward))
     if backward is not None:
         final = reshaped_outputs.final_outputs(backward)
         backward, *cut = (
-            reshaped_outputs.unreshaped_outputs(
-                gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(graph)), final)
+            identity_outputs_made_by_their_source(reshaped_outputs.unreshaped_outputs(
+                gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(graph)), final))
             for graph in (backward, *cut)
         )
     return Graphs(
