@@ -87,10 +87,11 @@ def test_nsp_only_head_exports_one_gemm_and_no_log_softmax_over_the_vocabulary()
 
 
 def test_a_loss_over_the_vocabulary_stashes_no_log_softmax():
-    """`loss.backward()` through the MLM head: the backward needs the log-softmax, and the
-    logits are an output anyway, so the backward computes it again from them (its graph has a
-    vocabulary-sized LogSoftmax) and the forward returns one vocabulary-sized tensor, the logits
-    (its own log-softmax is a transient); outputs and gradients stay eager's."""
+    """`loss.backward()` through the MLM head: the backward needs the log-softmax (its exponent,
+    the probabilities), and the logits are an output anyway, so the backward computes them
+    again from the logits (its graph has a vocabulary-sized Softmax, `peephole.softmax_for_exp`)
+    and the forward returns one vocabulary-sized tensor, the logits (its own log-softmax is a
+    transient); outputs and gradients stay eager's."""
     config = BertConfig(vocab=300, hidden=16, layers=1, heads=2)
     torch.manual_seed(0)
     eager = BertPretraining(config)
@@ -106,7 +107,7 @@ def test_a_loss_over_the_vocabulary_stashes_no_log_softmax():
     (entry,) = attach.installed(lazy)._pairs.values()
     backward_graph = entry.pair.graphs.backward
     assert [n for n in backward_graph.graph.node
-            if n.op_type == "LogSoftmax" and _vocab_input(backward_graph, n, 300)]
+            if n.op_type == "Softmax" and _vocab_input(backward_graph, n, 300)]
 
 
 def test_attention_probabilities_are_stashed_once_under_dropout_p0():

@@ -20,7 +20,8 @@ backward computes `_log_softmax(x)` again from `x` instead of reading a saved on
 logits-sized buffer less from the forward to the backward's head (62 MiB on workload B). The
 backward runs the same op on the same values (`x - logsumexp(x)` from a saved row total came
 out a few ulps apart, which 50 training steps grew past the exactness tests' 1e-4), and the
-forward keeps its own log-softmax for the pick, freed once picked (`RECOMPUTED`).
+forward keeps its own log-softmax for the pick, freed once picked (`RECOMPUTED`). The backward
+reads it as its exponent, which `peephole.softmax_for_exp` then computes in one pass.
 
 All compute the same values as the ops they replace (not a gradient: derivatives come from
 the partition before), and the check (`verify.py`) runs the rewritten FX graph against ORT.
