@@ -6,9 +6,11 @@ warm-up (its graphs built). `--ablate` adds lazygrad peers built without the pee
 (capture/peephole.py), without the cap on ORT's constant folding (session.py: every
 constant folded, whatever its size), with ORT's threads never spinning (session.py: they spin
 within a run by default), with selections of zeros left ORT's Where (capture/zero_where.py),
-with ORT's CPU memory arena (session.py) and with layer-wise
-recomputation (`recompute_layers`, capture/layers.py: its cost), so each one's effect is
-measured in the same rounds as the rest, under the same load. The load average is printed
+with the backward's `exp(log_softmax)` left two passes (peephole.softmax_for_exp), with the
+outputs an Identity copies left copies (capture/identity_outputs.py), with ORT's CPU memory
+arena (session.py) and with layer-wise recomputation (`recompute_layers`, capture/layers.py:
+its cost), so each one's effect is measured in the same rounds as the rest, under the same
+load. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
 process CPU time (user + system, all threads) is recorded too: the work a step does, which
 waiting for a core under load does not inflate.
@@ -27,7 +29,7 @@ import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
 from lazygrad import session
-from lazygrad.capture import peephole, zero_where
+from lazygrad.capture import identity_outputs, peephole, zero_where
 
 # peer -> (what its graphs are built without, its options to lazygrad.lazy)
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
@@ -35,6 +37,8 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, constants folded uncapped": (("folding cap",), {}),
     "lazygrad, never spinning": (("spinning within runs",), {}),
     "lazygrad, Where kept": (("zero where",), {}),
+    "lazygrad, exp of log-softmax": (("softmax",), {}),
+    "lazygrad, Identity copies": (("identity outputs",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
@@ -44,12 +48,17 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
 def without(parts: tuple[str, ...]) -> Iterator[None]:
     """Graphs built inside the block lack `parts` ("peephole": its rewrites; "folding cap":
     the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; "zero
-    where": no selection of zeros made a product; the last three for the sessions made in the
-    block)."""
+    where": no selection of zeros made a product, for the sessions made in the block; "softmax":
+    the peephole rule `softmax_for_exp`; "identity outputs": an output an Identity copies stays
+    a copy)."""
     rules, cap, spinning = peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING
-    smallest = zero_where.SMALLEST
+    smallest, sourced = zero_where.SMALLEST, identity_outputs.made_by_their_source
     if "peephole" in parts:
         peephole.RULES = []
+    if "softmax" in parts:
+        peephole.RULES = [rule for rule in rules if rule is not peephole.softmax_for_exp]
+    if "identity outputs" in parts:
+        identity_outputs.made_by_their_source = lambda model: model
     if "folding cap" in parts:
         session.FOLDED_AT_MOST = 0  # ORT's "no cap"
     if "spinning within runs" in parts:
@@ -60,7 +69,7 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
         yield
     finally:
         peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING = rules, cap, spinning
-        zero_where.SMALLEST = smallest
+        zero_where.SMALLEST, identity_outputs.made_by_their_source = smallest, sourced
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 import lazygrad
 from lazygrad import attach
-from lazygrad.capture.identity_outputs import identity_outputs_made_by_their_source
+from lazygrad.capture.identity_outputs import made_by_their_source
 from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 
 
@@ -54,7 +54,7 @@ def test_the_transpose_makes_the_output_through_an_expand_to_its_own_shape():
     for expand_read_elsewhere in (False, True):
         model = _heads([2, 4, 3], expand_read_elsewhere)
         expected = _run(model, feeds)
-        peeled = identity_outputs_made_by_their_source(model)
+        peeled = made_by_their_source(model)
         onnx.checker.check_model(peeled, full_check=True)
         made_by = {output: node.op_type for node in peeled.graph.node for output in node.output}
         assert made_by["kept"] == "Transpose" and "Identity" not in made_by.values()
@@ -70,14 +70,14 @@ def test_a_broadcasting_expand_makes_the_output_and_an_output_source_keeps_its_c
              "b": rng.standard_normal([3, 5], dtype=np.float32)}
     broadcast = _heads([3, 2, 4, 3], expand_read_elsewhere=False)
     expected = _run(broadcast, feeds)
-    peeled = identity_outputs_made_by_their_source(broadcast)
+    peeled = made_by_their_source(broadcast)
     made_by = {output: node.op_type for node in peeled.graph.node for output in node.output}
     assert made_by["kept"] == "Expand" and "Identity" not in made_by.values()
     for got, want in zip(_run(peeled, feeds), expected):
         np.testing.assert_array_equal(got, want)
     model = _heads([2, 4, 3], expand_read_elsewhere=False)
     model.graph.output.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 4, 3]))
-    kept = identity_outputs_made_by_their_source(model)
+    kept = made_by_their_source(model)
     assert "Identity" in [n.op_type for n in kept.graph.node]  # two outputs, two buffers
 
 

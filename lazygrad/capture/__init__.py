@@ -31,6 +31,7 @@ from lazygrad.capture import (
     forward_hooks,
     gelu,
     head,
+    identity_outputs,
     layers,
     node_order,
     partition,
@@ -46,7 +47,6 @@ from lazygrad.capture import (
 from lazygrad.capture.aliases import Aliasing, aliasing
 from lazygrad.capture.draws import Draw
 from lazygrad.capture.errors import CaptureError
-from lazygrad.capture.identity_outputs import identity_outputs_made_by_their_source
 from lazygrad.capture.tidy import Feed, OutputSlot, OutputView, Tidy, apply_views
 from lazygrad.capture.trace import Functional, refuse_reads, unchanged
 
@@ -282,11 +282,11 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         cut = segment.split(backward, stash, segments, example)
         seconds["segment"] = time.perf_counter() - started
     # After the cut: onnx's shape inference knows no contrib op.
-    forward = identity_outputs_made_by_their_source(gelu.fuse_erf_gelu(forward))
+    forward = identity_outputs.made_by_their_source(gelu.fuse_erf_gelu(forward))
     if backward is not None:
         final = reshaped_outputs.final_outputs(backward)
         backward, *cut = (
-            identity_outputs_made_by_their_source(reshaped_outputs.unreshaped_outputs(
+            identity_outputs.made_by_their_source(reshaped_outputs.unreshaped_outputs(
                 gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(graph)), final))
             for graph in (backward, *cut)
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import onnx
 
 
-def identity_outputs_made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
+def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` (changed in place) where each graph output that an Identity makes from a value
     another node of the graph makes (not itself an output, nor read inside a subgraph) is made
     by that node, and the Identity is dropped."""
