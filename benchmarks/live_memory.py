@@ -12,6 +12,7 @@ two peers actually hold, which a whole-process peak alone cannot tell apart.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -106,10 +107,15 @@ def _fresh(workload: str, lazy: bool, cache: str, wait: bool) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--probe"]:
+    if argv[:1] == ["--probe"]:  # the fresh process `_fresh` starts
         print(json.dumps(probe(argv[1], argv[2] == "1")))
         return
-    workload = argv[0] if argv else "B"
+    from benchmarks.memory import WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.live_memory",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", nargs="?", default="B", choices=sorted(WORKLOADS))
+    workload = parser.parse_args(argv).workload
     cache = tempfile.mkdtemp(prefix="lazygrad-live-memory-")
     _fresh(workload, True, cache, wait=True)  # fills the disk cache
     rows = {"eager": _fresh(workload, False, cache, wait=False),
