@@ -14,6 +14,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+import onnx
+import onnxruntime
 import pytest
 import torch
 
@@ -249,3 +252,13 @@ def stash_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, i
         out = model(x)
     out.square().sum().backward()
     return out.detach(), saved[0]
+
+
+def run_onnx_as_written(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    """`model` run once by ORT's CPU provider with its graph optimisations off: the graph a
+    rewrite made, not ORT's own rewrite of it."""
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)

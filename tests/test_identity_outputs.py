@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime
 import torch
-from conftest import assert_loss_step_like_eager, lazy_copy
+from conftest import assert_loss_step_like_eager, lazy_copy, run_onnx_as_written
 from onnx import TensorProto, helper
 
 import lazygrad
@@ -39,28 +38,20 @@ def _heads(expand_to: list[int], expand_read_elsewhere: bool) -> onnx.ModelProto
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
 def test_the_transpose_makes_the_output_through_an_expand_to_its_own_shape():
     rng = np.random.default_rng(0)
     feeds = {"a": rng.standard_normal([2, 3, 4], dtype=np.float32),
              "b": rng.standard_normal([3, 5], dtype=np.float32)}
     for expand_read_elsewhere in (False, True):
         model = _heads([2, 4, 3], expand_read_elsewhere)
-        expected = _run(model, feeds)
+        expected = run_onnx_as_written(model, feeds)
         peeled = made_by_their_source(model)
         onnx.checker.check_model(peeled, full_check=True)
         made_by = {output: node.op_type for node in peeled.graph.node for output in node.output}
         assert made_by["kept"] == "Transpose" and "Identity" not in made_by.values()
         # The Expand stays only where another node reads it (ORT drops it there as a no-op).
         assert ("Expand" in made_by.values()) == expand_read_elsewhere
-        for got, want in zip(_run(peeled, feeds), expected):
+        for got, want in zip(run_onnx_as_written(peeled, feeds), expected):
             np.testing.assert_array_equal(got, want)
 
 
@@ -69,11 +60,11 @@ def test_a_broadcasting_expand_makes_the_output_and_an_output_source_keeps_its_c
     feeds = {"a": rng.standard_normal([2, 3, 4], dtype=np.float32),
              "b": rng.standard_normal([3, 5], dtype=np.float32)}
     broadcast = _heads([3, 2, 4, 3], expand_read_elsewhere=False)
-    expected = _run(broadcast, feeds)
+    expected = run_onnx_as_written(broadcast, feeds)
     peeled = made_by_their_source(broadcast)
     made_by = {output: node.op_type for node in peeled.graph.node for output in node.output}
     assert made_by["kept"] == "Expand" and "Identity" not in made_by.values()
-    for got, want in zip(_run(peeled, feeds), expected):
+    for got, want in zip(run_onnx_as_written(peeled, feeds), expected):
         np.testing.assert_array_equal(got, want)
     model = _heads([2, 4, 3], expand_read_elsewhere=False)
     model.graph.output.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 4, 3]))

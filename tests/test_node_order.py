@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import torch
-from conftest import assert_loss_step_like_eager, lazy_copy
+from conftest import assert_loss_step_like_eager, lazy_copy, run_onnx_as_written
 from onnx import TensorProto, helper
 
 import lazygrad
@@ -42,26 +42,18 @@ def _swaps_last_two(node: onnx.NodeProto | None) -> bool:
     return perm == [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]
 
 
-def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
 def test_a_matmul_of_a_last_two_dimensions_transpose_becomes_a_fused_matmul_in_its_place():
     rng = np.random.default_rng(0)
     for perm in ([1, 0], [0, 2, 1]):
         model = _matmuls(perm, extra_reader=False)
         a = rng.standard_normal([5, 3] if len(perm) == 2 else [2, 5, 3], dtype=np.float32)
         b = rng.standard_normal([5, 4], dtype=np.float32)
-        (expected,) = _run(model, {"a": a, "b": b})
+        (expected,) = run_onnx_as_written(model, {"a": a, "b": b})
         fused = node_order.fuse_transposed_matmuls(model)
         assert [n.op_type for n in fused.graph.node] == ["FusedMatMul"]  # the Transpose dropped
         attributes = {a.name: a.i for a in fused.graph.node[0].attribute if a.name != "alpha"}
         assert attributes == {"transA": 1, "transB": 0}
-        (got,) = _run(fused, {"a": a, "b": b})
+        (got,) = run_onnx_as_written(fused, {"a": a, "b": b})
         np.testing.assert_array_equal(got, expected)
 
 

@@ -238,11 +238,7 @@ def test_a_submodule_hook_that_collects_outputs_in_a_list_holds_each_steps_real_
     kept = r"keeps 1 tensor\(s\) after the call \(a list"
     with pytest.warns(lazygrad.GraphBreakWarning, match=kept):
         for step in range(4):
-            x = torch.randn(5, 8)
-            for model in (lazy, eager):
-                model.zero_grad(set_to_none=True)
-                model(x).sum().backward()
-            assert_grads_equal(lazy, eager, f"step {step}")
+            sum_step_like_eager(lazy, eager, (torch.randn(5, 8),), f"step {step}")
     assert len(lazy_store["outputs"]) == 4
     assert all(type(t) is torch.Tensor for t in lazy_store["outputs"])
     assert_close(torch.stack(lazy_store["outputs"]), torch.stack(eager_store["outputs"]),
@@ -312,11 +308,7 @@ def test_a_forward_that_appends_to_a_global_list_leaves_only_real_tensors_there(
     _ACTIVATIONS.clear()
     with pytest.warns(lazygrad.GraphBreakWarning, match=r"\(a list, .*_ACTIVATIONS\)"):
         for step in range(4):
-            x = torch.randn(5, 8)
-            for model in (lazy, eager):
-                model.zero_grad(set_to_none=True)
-                model(x).sum().backward()
-            assert_grads_equal(lazy, eager, f"step {step}")
+            sum_step_like_eager(lazy, eager, (torch.randn(5, 8),), f"step {step}")
     assert len(_ACTIVATIONS) == 8 and all(type(t) is torch.Tensor for t in _ACTIVATIONS)
     assert_close(torch.stack(_ACTIVATIONS[0::2]), torch.stack(_ACTIVATIONS[1::2]),
                  "lazygrad's activations against eager's")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import onnx
 
+from lazygrad.capture.reshaped_outputs import outputs_made_by_sources
+
 
 def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` (changed in place) where each graph output that an Identity makes from a value
@@ -47,15 +49,7 @@ def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
     while unread := [node for node in passed if id(node) not in dropped
                      and node.output[0] not in _read(graph, dropped) | in_subgraphs | outputs]:
         dropped |= {id(node) for node in unread}  # an Expand only the Identity read
-    nodes = [node for node in graph.node if id(node) not in dropped]
-    for node in nodes:
-        node.input[:] = [renamed.get(name, name) for name in node.input]
-        node.output[:] = [renamed.get(name, name) for name in node.output]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    kept = [value for value in graph.value_info if value.name not in renamed]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
+    outputs_made_by_sources(graph, renamed, dropped)
     return model
 
 

@@ -46,20 +46,28 @@ def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelPro
             renamed[source] = value.name
     if not renamed:
         return model
-    dropped = {id(made_by[output]) for output in renamed.values()}
-    nodes = [node for node in graph.node if id(node) not in dropped]
-    for node in nodes:
-        node.output[:] = [renamed.get(name, name) for name in node.output]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    outputs_made_by_sources(graph, renamed, {id(made_by[output]) for output in renamed.values()})
     for value in graph.output:
         if value.name in renamed.values():
             value.type.tensor_type.ClearField("shape")
+    model.metadata_props.add(key=UNRESHAPED_OUTPUTS, value=",".join(sorted(renamed.values())))
+    return model
+
+
+def outputs_made_by_sources(graph: onnx.GraphProto, renamed: dict[str, str],
+                            dropped: set[int]) -> None:
+    """`graph` (changed in place) without the nodes whose ids are in `dropped` (the ones that
+    made outputs from sources), each source in `renamed` called by its output's name wherever
+    it is made or read, and no value_info left under the sources' old names."""
+    nodes = [node for node in graph.node if id(node) not in dropped]
+    for node in nodes:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+        node.output[:] = [renamed.get(name, name) for name in node.output]
+    del graph.node[:]
+    graph.node.extend(nodes)
     kept = [value for value in graph.value_info if value.name not in renamed]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    model.metadata_props.add(key=UNRESHAPED_OUTPUTS, value=",".join(sorted(renamed.values())))
-    return model
 
 
 def unreshaped(model: onnx.ModelProto) -> set[str]:
