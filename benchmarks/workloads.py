@@ -42,13 +42,16 @@ class Workload:
     loss: Callable[[Outputs, int], torch.Tensor]  # outputs, step index -> the loss to backward
     settle: int  # steps until every cache a peer fills in steady state is filled
     cycle: int  # steps after which the sequence of grad masks and inputs repeats
+    autocast: torch.dtype | None = None  # the forward under CPU autocast to this type
 
     def step(self, model: nn.Module) -> Callable[[int], None]:
         """One training step of `model` (zero grads, forward, loss, backward) by step index."""
 
         def run(index: int) -> None:
             model.zero_grad(set_to_none=True)
-            self.loss(model(*self.inputs(index)), index).backward()
+            with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
+                outputs = model(*self.inputs(index))
+            self.loss(outputs, index).backward()
 
         return run
 
@@ -71,10 +74,10 @@ COMPOSITIONS: dict[str, Callable[[Outputs], torch.Tensor]] = {
 }
 
 
-def bert(composition: str) -> Workload:
+def bert(composition: str, autocast: torch.dtype | None = None) -> Workload:
     compose = COMPOSITIONS[composition]
     return Workload(
-        name=f"bert {composition}",
+        name=f"bert {composition}" + (f", autocast {str(autocast)[6:]}" if autocast else ""),
         model=_bert_model,
         inputs=lambda index: _bert_inputs(BERT_SEQ),
         loss=lambda out, index: compose(out),
@@ -83,6 +86,7 @@ def bert(composition: str) -> Workload:
         # ORT's first run of them; step 2 on is steady.
         settle=3,
         cycle=1,
+        autocast=autocast,
     )
 
 
@@ -178,4 +182,5 @@ def seq_lengths(lengths: tuple[int, ...]) -> Workload:
 
 # Workloads a fresh process can be asked to run, by name.
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE,
-                                                       ROUTED, RESNET]}
+                                                       ROUTED, RESNET,
+                                                       bert("loss", torch.float16)]}

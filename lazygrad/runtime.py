@@ -730,11 +730,11 @@ class Runtime:
                 fixed))
         except GraphRunError as error:
             if device.type == "cpu" and signature.half_precision:
-                # ORT's CPU provider has next to no bfloat16 or float16 kernels (MatMul, Gemm,
-                # Conv among those missing): every part would build and fail the same way,
-                # one warning each (14 on a 2-layer BERT under CPU autocast).
-                raise BuildFailed(f"{error} (ONNX Runtime's CPU provider lacks most bfloat16 "
-                                  "and float16 kernels)", whole=True) from error
+                # ORT's CPU provider has no bfloat16 kernels (MatMul, Add), and not every
+                # float16 one: every part would build and fail the same way, one warning each
+                # (14 on a 2-layer BERT under CPU autocast to bfloat16).
+                raise BuildFailed(f"{error} (ONNX Runtime's CPU provider has no bfloat16 "
+                                  "kernels, and not every float16 one)", whole=True) from error
             raise BuildFailed(str(error)) from error
         except (CaptureError, VerificationError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None),

@@ -22,7 +22,9 @@ bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
 `masked_select` into an index by `nonzero` (`masked_select`); `expm1` and
 `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
 near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`);
-`lgamma` and its derivatives, which ONNX lacks, into their series (`special.py`). Like
+`lgamma` and its derivatives, which ONNX lacks, into their series (`special.py`); layer,
+group and instance norm of a float16 or bfloat16 input into the op in float32 (`in_float32`:
+their translations mix types where eager's kernels compute in float32). Like
 torch._decomp's tables these compute the op itself, not a gradient of anything, and every
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
@@ -622,6 +624,35 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     return aten.where.self(masked_rows, zero, out)
 
 
+REDUCED_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def in_float32(op: torch._ops.OpOverload) -> Callable[..., object]:
+    """A normalization (`op`: its input first, its parameters float tensors among the other
+    arguments; the normalized input first among its results, then its statistics) of a float16
+    or bfloat16 input, as eager's kernels compute it: in float32, the result rounded to the
+    input's type. torchlib's translations of layer norm and of batch norm without running
+    statistics (instance norm) mix the two types in one ONNX op (LayerNormalization takes one
+    type for its input and parameters, an Add met float32 and float16), so the graphs of mixed
+    precision (autocast, or a model in half precision) did not load in ORT, and the model ran
+    in eager PyTorch; group norm's gives its statistics another type than eager's. The statistics (saved for the backward) take the type eager's kernel
+    gives them: float32 on CUDA or beside float32 parameters, else the input's. A float32 or
+    float64 input: the op as it is."""
+
+    def kernel(input: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if input.dtype not in REDUCED_PRECISION:
+            return NotImplemented
+        parameters = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        normalized, *statistics = op(input.to(torch.float32), *(
+            a.to(torch.float32) if any(a is p for p in parameters) else a for a in args),
+            **kwargs)
+        mixed = any(p.dtype != input.dtype for p in parameters)
+        kept = torch.float32 if input.device.type != "cpu" or mixed else input.dtype
+        return (normalized.to(input.dtype), *(s.to(kept) for s in statistics))
+
+    return kernel
+
+
 def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
     """`op` as torch's own decomposition (torch._decomp) computes it: replication padding and
     grid sampling by indexing (`_unsafe_index`, with clamped or interpolated positions), whose
@@ -692,6 +723,9 @@ TABLE = {
     aten._safe_softmax.default: safe_softmax,
     aten.expm1.default: precise_expm1,
     aten.log1p.default: precise_log1p,
+    **{op: in_float32(op) for op in (
+        aten.native_layer_norm.default, aten.native_group_norm.default,
+        aten._native_batch_norm_legit.no_stats)},
     getattr(aten.random, "from"): random_integers,  # `from` is a Python keyword
     aten.random.to: random_integers_below,
     **special.TABLE,

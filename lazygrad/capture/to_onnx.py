@@ -36,7 +36,33 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     _strided_views_in_storage_order(gm)
     gm, constants = _lift_constants(gm)
     inputs = placeholders(gm)
-    outputs = list(output_node(gm).args[0])
+    wide = in_float64(p.meta.get("val") for p in inputs if p.name not in constants)
+    with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            private.fx_config.patch(backed_size_oblivious=True), \
+            private.float64_numbers() if wide else contextlib.nullcontext():
+        warnings.simplefilter("ignore")
+        # Before the signature names the outputs: an output of float16 computed in float32
+        # (a sum) gets its cast back here, and the signature must name the cast, not the sum.
+        private.onnx_fx_passes.insert_type_promotion_nodes(gm)
+        gm = private.onnx_fx_passes.remove_assertion_nodes(gm)
+        outputs = list(output_node(gm).args[0])
+        onnx_program = private.onnx_core._exported_program_to_onnx_program(
+            _as_exported_program(gm, inputs, outputs, constants), registry=registry
+        )
+    # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
+    # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
+    model = onnx_program.model_proto
+    complex_outputs = [value.name for value, node in zip(model.graph.output, outputs)
+                       if (dtype := _dtype(node)) is not None and dtype.is_complex]
+    if complex_outputs:
+        model.metadata_props.add(key=COMPLEX_OUTPUTS, value=",".join(complex_outputs))
+    return model
+
+
+def _as_exported_program(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node],
+                         constants: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+    """The AOT graph as the exporter's input, as it is: its placeholders the user inputs (or
+    the lifted constants), its outputs the user outputs, its symbolic sizes' ranges."""
     signature = private.ExportGraphSignature(
         input_specs=[
             private.InputSpec(
@@ -79,7 +105,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
             private.ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec),
         )
     ]
-    program = private.ExportedProgram(
+    return private.ExportedProgram(
         root=gm,
         graph=gm.graph,
         graph_signature=signature,
@@ -90,25 +116,6 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
         constants=constants,
         verifiers=None,
     )
-    wide = in_float64(p.meta.get("val") for p in inputs if p.name not in constants)
-    with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            private.fx_config.patch(backed_size_oblivious=True), \
-            private.float64_numbers() if wide else contextlib.nullcontext():
-        warnings.simplefilter("ignore")
-        module = program.graph_module
-        private.onnx_fx_passes.insert_type_promotion_nodes(module)
-        program._graph_module = private.onnx_fx_passes.remove_assertion_nodes(module)
-        onnx_program = private.onnx_core._exported_program_to_onnx_program(
-            program, registry=registry
-        )
-    # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
-    # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
-    model = onnx_program.model_proto
-    complex_outputs = [value.name for value, node in zip(model.graph.output, outputs)
-                       if (dtype := _dtype(node)) is not None and dtype.is_complex]
-    if complex_outputs:
-        model.metadata_props.add(key=COMPLEX_OUTPUTS, value=",".join(complex_outputs))
-    return model
 
 
 def _numbers_as_tensors(gm: fx.GraphModule) -> None:
