@@ -183,4 +183,5 @@ def seq_lengths(lengths: tuple[int, ...]) -> Workload:
 # Workloads a fresh process can be asked to run, by name.
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [*(bert(c) for c in COMPOSITIONS), MOE,
                                                        ROUTED, RESNET,
-                                                       bert("loss", torch.float16)]}
+                                                       bert("loss", torch.float16),
+                                                       bert("loss", torch.bfloat16)]}
