@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("LAZYGRAD_WAIT_FOR_BUILDS", "1")
 
 import copy
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -262,3 +263,26 @@ def run_onnx_as_written(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
+
+
+@functools.cache
+def cuda_usable() -> bool:
+    """Whether torch has a CUDA device and ORT's CUDA provider loads (it is listed even where
+    its libraries, CUDA 11.8 or cuDNN 8, fail to load)."""
+    from lazygrad.session import cuda_provider_available
+
+    if not (torch.cuda.is_available() and cuda_provider_available()):
+        return False
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    try:
+        onnxruntime.InferenceSession(model.SerializeToString(),
+                                     providers=["CUDAExecutionProvider"])
+    except Exception:
+        return False
+    return True

@@ -9,40 +9,13 @@ import copy
 
 import pytest
 import torch
-from conftest import MODEL_CASES, all_masks, assert_close, compose_loss
+from conftest import MODEL_CASES, all_masks, assert_close, compose_loss, cuda_usable
 
 import lazygrad
-from lazygrad.session import cuda_provider_available
-
-
-def _cuda_usable() -> bool:
-    if not (torch.cuda.is_available() and cuda_provider_available()):
-        return False
-    try:  # the provider is listed even where its libraries (CUDA 11.8, cuDNN 8) fail to load
-        import onnxruntime
-
-        onnxruntime.InferenceSession(_identity_model(), providers=["CUDAExecutionProvider"])
-    except Exception:
-        return False
-    return True
-
-
-def _identity_model() -> bytes:
-    import onnx
-
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("Identity", ["x"], ["y"])],
-        "probe",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-    )
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]) \
-        .SerializeToString()
-
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not _cuda_usable(), reason="needs CUDA and onnxruntime's CUDA provider"),
+    pytest.mark.skipif(not cuda_usable(), reason="needs CUDA and onnxruntime's CUDA provider"),
 ]
 
 

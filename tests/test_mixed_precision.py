@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import cuda_usable
 from torch import nn
 
 import lazygrad
@@ -63,10 +64,10 @@ def _flat(outputs) -> list[torch.Tensor]:
     return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
 
 
-def _error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """Relative error of all the gradients together (their norm's)."""
-    got = torch.cat([g.double().flatten() for g in grads])
-    want = torch.cat([g.flatten() for g in reference])
+def _error(tensors: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Relative error of all the tensors together (their norm's), against float64 ones."""
+    got = torch.cat([t.double().cpu().flatten() for t in tensors])
+    want = torch.cat([t.detach().flatten() for t in reference])
     return ((got - want).norm() / want.norm()).item()
 
 
@@ -74,23 +75,20 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("make", [_bert, _moe, _norms], ids=["bert", "moe", "norms"])
-@pytest.mark.parametrize("mode", ["autocast", "half"])
-def test_float16_trains_through_ort_as_eager_does(make, mode):
-    """Under `torch.autocast("cpu", torch.float16)` (float32 parameters, float16 products) and
-    with the model in float16: outputs of eager's dtypes and values (to float16's rounding),
-    gradients as close to float64's as eager's own, served by ORT (layer norm and instance norm
-    graphs mixed float32 and float16 in one ONNX op and did not load; a float16 sum returned
-    as an output came back float32)."""
+def _trains_as_eager(make, mode: str, dtype: torch.dtype, device: str) -> None:
+    """Three steps under autocast to `dtype` (float32 parameters, products in `dtype`), or with
+    the model in `dtype` ("half"): outputs of eager's dtypes, outputs and gradients as close to
+    the model's in float64 as eager's own, served by ORT."""
     model, inputs, loss = make()
     reference = copy.deepcopy(model).double()
     wide_inputs = [x.double() if x.is_floating_point() else x for x in inputs]
+    model, inputs = model.to(device), [x.to(device) for x in inputs]
     if mode == "half":
-        model = model.half()
-        inputs = [x.half() if x.is_floating_point() else x for x in inputs]
+        model = model.to(dtype)
+        inputs = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
     eager = copy.deepcopy(model)
     lazy = lazygrad.lazy(copy.deepcopy(model))
-    context = (lambda: torch.autocast("cpu", dtype=torch.float16)) if mode == "autocast" \
+    context = (lambda: torch.autocast(device, dtype=dtype)) if mode == "autocast" \
         else contextlib.nullcontext
     for step in range(3):
         for module in (lazy, eager, reference):
@@ -100,7 +98,7 @@ def test_float16_trains_through_ort_as_eager_does(make, mode):
         exact = reference(*wide_inputs)
         for index, (a, b, c) in enumerate(zip(_flat(got), _flat(want), _flat(exact))):
             assert a.dtype == b.dtype, f"step {step} output {index}: {a.dtype} != {b.dtype}"
-            lazy_error, eager_error = _error([a.detach()], [c.detach()]), _error([b.detach()], [c.detach()])
+            lazy_error, eager_error = _error([a.detach()], [c]), _error([b.detach()], [c])
             assert lazy_error <= AS_EAGER * eager_error + 1e-6, (
                 f"step {step} output {index}: float64 error {lazy_error:.2e} against eager's "
                 f"{eager_error:.2e}")
@@ -114,6 +112,29 @@ def test_float16_trains_through_ort_as_eager_does(make, mode):
             f"step {step}: float64 error {lazy_error:.2e} against eager's {eager_error:.2e}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 2, stats
+
+
+MODELS = pytest.mark.parametrize("make", [_bert, _moe, _norms], ids=["bert", "moe", "norms"])
+MODES = pytest.mark.parametrize("mode", ["autocast", "half"])
+
+
+@MODELS
+@MODES
+def test_float16_trains_through_ort_as_eager_does(make, mode):
+    """On the CPU (layer norm and instance norm graphs mixed float32 and float16 in one ONNX op
+    and did not load; a float16 sum returned as an output came back float32)."""
+    _trains_as_eager(make, mode, torch.float16, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_usable(), reason="needs CUDA and onnxruntime's CUDA provider")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@MODELS
+@MODES
+def test_half_precision_trains_through_ort_on_cuda(make, mode, dtype):
+    """On CUDA, both half types (the normalizations' statistics float32, as eager's CUDA
+    kernels give them)."""
+    _trains_as_eager(make, mode, dtype, "cuda")
 
 
 def test_a_float16_training_loop_with_grad_scaler_matches_eager():

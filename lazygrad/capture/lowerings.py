@@ -635,9 +635,10 @@ def in_float32(op: torch._ops.OpOverload) -> Callable[..., object]:
     statistics (instance norm) mix the two types in one ONNX op (LayerNormalization takes one
     type for its input and parameters, an Add met float32 and float16), so the graphs of mixed
     precision (autocast, or a model in half precision) did not load in ORT, and the model ran
-    in eager PyTorch; group norm's gives its statistics another type than eager's. The statistics (saved for the backward) take the type eager's kernel
-    gives them: float32 on CUDA or beside float32 parameters, else the input's. A float32 or
-    float64 input: the op as it is."""
+    in eager PyTorch; group norm's gives its statistics another type than eager's. The
+    statistics (saved for the backward) take the type eager's kernel gives them: float32 on
+    CUDA or beside float32 parameters, else the input's. A float32 or float64 input: the op
+    as it is."""
 
     def kernel(input: torch.Tensor, *args: object, **kwargs: object) -> object:
         if input.dtype not in REDUCED_PRECISION:
