@@ -148,3 +148,30 @@ def test_an_input_gradient_is_columns_over_few_positions_and_a_transposed_convol
     few = size == 9
     assert backward.count("Col2Im") == (2 if few else 0), backward
     assert backward.count("ConvTranspose") == (0 if few else 2), backward
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_channels_last_cnn_trains_through_ort_like_eager(groups):
+    """`model.to(memory_format=torch.channels_last)`, as torchvision's training recipes do: the
+    convolutions' lowered gradients flattened the weight and the output gradient by `view`,
+    which a channels-last tensor refuses ("Cannot view a tensor with shape [64, 64, 3, 3] and
+    strides (576, 1, 192, 64)"): the trace failed and a ResNet ran in parts, its convolutions
+    each on their own. Grouped convolutions (a ResNeXt's) take another lowering."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=groups), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 1), torch.nn.Flatten(),
+    ).to(memory_format=torch.channels_last)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for step in range(3):
+        x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+        for module in (lazy, eager):
+            module.zero_grad(set_to_none=True)
+        got, want = lazy(x), eager(x)
+        _assert_close(got, want, f"step {step}: output")
+        got.square().sum().backward()
+        want.square().sum().backward()
+        _assert_grads_close(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons

@@ -135,9 +135,9 @@ def _input_gradient_by_columns(grad_output, input, weight, stride, padding, dila
     positions = grad_output.shape[2] * grad_output.shape[3]
     gradient = aten.reshape.default(aten.permute.default(grad_output, [1, 0, 2, 3]),
                                     [channels_out, batch * positions])
-    weights = aten.view.default(weight, [channels_out, -1])
+    weights = aten.reshape.default(weight, [channels_out, -1])
     columns = aten.mm.default(aten.t.default(weights), gradient)
-    columns = aten.permute.default(aten.view.default(columns, [-1, batch, positions]), [1, 0, 2])
+    columns = aten.permute.default(aten.reshape.default(columns, [-1, batch, positions]), [1, 0, 2])
     return aten.col2im.default(columns, list(input.shape[2:]), list(weight.shape[2:]),
                                list(dilation), list(padding), list(stride))
 
@@ -150,17 +150,17 @@ def _weight_gradient(grad_output, input, weight, stride, padding, dilation, grou
     spatial_in, spatial_out = list(input.shape[2:]), list(grad_output.shape[2:])
     per_in, per_out = channels_in // groups, channels_out // groups
     dims = len(stride)
-    x = aten.view.default(input, [batch, groups, per_in, *spatial_in])
+    x = aten.reshape.default(input, [batch, groups, per_in, *spatial_in])
     x = aten.permute.default(x, [2, 1, 0, *range(3, 3 + dims)])
     x = aten.reshape.default(x, [per_in, groups * batch, *spatial_in])
-    w = aten.view.default(grad_output, [batch, groups, per_out, *spatial_out])
+    w = aten.reshape.default(grad_output, [batch, groups, per_out, *spatial_out])
     w = aten.permute.default(w, [1, 2, 0, *range(3, 3 + dims)])
     w = aten.reshape.default(w, [groups * per_out, batch, *spatial_out])
     y = aten.convolution.default(x, w, None, dilation, padding, stride, False, [0] * dims, groups)
     kernel = list(weight.shape[2:])
     for axis in range(dims):
         y = aten.slice.Tensor(y, 2 + axis, 0, kernel[axis])
-    y = aten.view.default(y, [per_in, groups, per_out, *kernel])
+    y = aten.reshape.default(y, [per_in, groups, per_out, *kernel])
     y = aten.permute.default(y, [1, 2, 0, *range(3, 3 + dims)])
     return aten.reshape.default(y, list(weight.shape))
 
@@ -192,7 +192,7 @@ def _weight_gradient_by_products(grad_output, input, weight, stride, padding, di
                                        stride[axis])
         window = aten.reshape.default(window, [channels_in, -1])
         products.append(aten.mm.default(gradient, aten.t.default(window)))
-    return aten.view.default(aten.stack.default(products, -1),
+    return aten.reshape.default(aten.stack.default(products, -1),
                              [channels_out, channels_in, *kernel])
 
 
