@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -52,9 +53,12 @@ class Plan:
     compile: bool
     fresh_bert: bool  # workload 1 in fresh processes too (workload 2 always is)
     overhead_blocks: int
+    # fresh processes whose first step of workload 1's first composition is the table's (their
+    # median), eager's and lazygrad's alternating: one fresh process is a noisy sample of it
+    first_step_samples: int = 1
 
 
-FULL = Plan(tuple(COMPOSITIONS), 5, 200, (64, 96, 128, 160, 192, 224, 256), True, True, 15)
+FULL = Plan(tuple(COMPOSITIONS), 5, 200, (64, 96, 128, 160, 192, 224, 256), True, True, 15, 5)
 QUICK = Plan(("loss",), 3, 200, (64, 160, 256), False, False, 5)
 
 
@@ -92,7 +96,27 @@ def _fresh_runs(plan: Plan, names: list[str], say: Progress) -> dict[tuple[str, 
                     + (f"  warm cache: first step {warm.first_step_s:6.2f} s "
                        f"{'through ORT' if warm.through_ort else 'eager'}" if warm else "")
                 )
+    if plan.fresh_bert:
+        _first_step_medians(found, groups[0][0], [p for p in names if p != COMPILE],
+                            plan.first_step_samples, say)
     return found
+
+
+def _first_step_medians(found: dict[tuple[str, str], fresh.Fresh], workload: str,
+                        peers: list[str], samples: int, say: Progress) -> None:
+    """More fresh processes of `workload` alone for `peers`, alternating, each on an empty
+    cache: the table's first step becomes the median of every process's (torch.compile's
+    stays one process's: 20-30 s of compilation, not a close call)."""
+    first_steps = {peer: [found[(workload, peer)].first_step_s] for peer in peers}
+    for _ in range(samples - 1):
+        for peer in peers:
+            first_steps[peer].append(fresh.measure(peer, [workload])[0].first_step_s)
+    for peer, seconds in first_steps.items():
+        found[(workload, peer)] = dataclasses.replace(
+            found[(workload, peer)], first_step_s=statistics.median(seconds),
+            first_step_samples=tuple(seconds))
+        say(f"first step     {peer:<14} {workload:<20} median {statistics.median(seconds):.2f} s "
+            f"of {len(seconds)} fresh processes ({min(seconds):.2f}-{max(seconds):.2f} s)")
 
 
 def _rows(
@@ -310,7 +334,13 @@ def notes(plan: Plan, quick: bool, cost: overhead.Overhead, seconds: float, load
         "first step s / peak MiB: fresh processes, one per peer for the workload-1 compositions "
         "in turn (only the first one's first step is cold; for lazygrad a later composition's "
         "first step builds that mask's graphs) and one per peer for workload 2"
-        f"{'' if plan.fresh_bert else ' (--quick: workload 2 only)'}. First step: the first call "
+        f"{'' if plan.fresh_bert else ' (--quick: workload 2 only)'}"
+        + (f"; workload 1's first composition's first step is the median of "
+           f"{plan.first_step_samples} fresh processes for eager and lazygrad (the first of "
+           "them the table's process, the others that composition alone, the peers "
+           "alternating; torch.compile's one process's)"
+           if plan.fresh_bert and plan.first_step_samples > 1 else "")
+        + ". First step: the first call "
         "and its backward: for lazygrad an eager step that queues the graph build of its mask "
         "(trace, export, check) on the builder thread, started when its backward has ended, as "
         "a user gets it; the loop then steps on (graphs ready s: from that step's start until "
