@@ -26,7 +26,8 @@ AS_EAGER = 3.0  # lazygrad's float64 error within this factor of eager's
 
 class NormsNet(nn.Module):
     """Each normalization torch has, after convolutions: group, instance (with and without
-    affine parameters: batch norm without running statistics underneath), batch."""
+    affine parameters: batch norm without running statistics underneath), batch; and ReLU6,
+    whose backward's translation typed its masks float32."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +41,26 @@ class NormsNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.bare(self.batch(self.instance(self.group(self.conv(x)))))
-        return self.head(self.layer(nn.functional.silu(h).mean((2, 3))))
+        return self.head(self.layer(nn.functional.relu6(h).mean((2, 3))))
+
+
+class PositionBias(nn.Module):
+    """Attention scores plus a learned bias looked up by relative position (Swin's, T5's):
+    the table's gradient adds the rows each position picked, repeated positions included."""
+
+    def __init__(self, tokens: int = 6, heads: int = 2) -> None:
+        super().__init__()
+        self.query = nn.Linear(8, 8 * heads)
+        self.table = nn.Parameter(torch.randn(2 * tokens - 1, heads))
+        positions = torch.arange(tokens)
+        self.register_buffer("index", (positions[:, None] - positions[None, :] + tokens - 1))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.query(x).unflatten(-1, (self.heads, 8)).transpose(1, 2)
+        scores = q @ q.transpose(-1, -2) / 8
+        bias = self.table[self.index.reshape(-1)].reshape(*self.index.shape, -1)
+        return (scores + bias.permute(2, 0, 1)).softmax(-1)
 
 
 def _bert():
@@ -58,6 +78,12 @@ def _norms():
     torch.manual_seed(0)
     weights = torch.randn(4, 4)
     return NormsNet(), (torch.randn(4, 3, 8, 8),), lambda out: (out.float() * weights).sum()
+
+
+def _position_bias():
+    torch.manual_seed(0)
+    weights = torch.randn(4, 2, 6, 6)
+    return PositionBias(), (torch.randn(4, 6, 8),), lambda out: (out.float() * weights).sum()
 
 
 def _flat(outputs) -> list[torch.Tensor]:
@@ -114,15 +140,17 @@ def _trains_as_eager(make, mode: str, dtype: torch.dtype, device: str) -> None:
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 2, stats
 
 
-MODELS = pytest.mark.parametrize("make", [_bert, _moe, _norms], ids=["bert", "moe", "norms"])
+MODELS = pytest.mark.parametrize("make", [_bert, _moe, _norms, _position_bias],
+                                 ids=["bert", "moe", "norms", "position bias"])
 MODES = pytest.mark.parametrize("mode", ["autocast", "half"])
 
 
 @MODELS
 @MODES
 def test_float16_trains_through_ort_as_eager_does(make, mode):
-    """On the CPU (layer norm and instance norm graphs mixed float32 and float16 in one ONNX op
-    and did not load; a float16 sum returned as an output came back float32)."""
+    """On the CPU (layer norm, instance norm and ReLU6 graphs mixed float32 and float16 in one
+    ONNX op and did not load; a float16 sum returned as an output came back float32; ORT's CPU
+    has no float16 scatter-add, the position-bias table's gradient)."""
     _trains_as_eager(make, mode, torch.float16, "cpu")
 
 

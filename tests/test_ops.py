@@ -873,3 +873,29 @@ def test_batch_norm_over_a_transposed_input_gets_its_true_gradient():
                 assert_close(p.grad.double(), params[name].grad, f"step {step}: {name}.grad")
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
+
+
+def test_relu6_and_clamp_at_their_bounds_pass_no_gradient_as_eager():
+    """`hardtanh_backward` (ReLU6, `clamp` by numbers) gives no gradient where the input equals
+    a bound, as torch's kernel does; torchlib's translation let it through there, so a step
+    whose activations hit 0 or 6 exactly got other gradients (the check caught the first
+    step's and fell back; a later step's would not have been checked)."""
+
+    class Bounded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scaled = x * self.scale
+            return F.relu6(scaled) + F.hardtanh(scaled, -1.0, 3.0)
+
+    eager = Bounded()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    x = torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.0, 2.0])  # on both bounds of both
+    for step in range(3):
+        got = sum_step_like_eager(lazy, eager, (x * (1 + step),), f"step {step}")
+    assert ran_through_ort([got])
+    assert torch.equal(lazy.scale.grad, eager.scale.grad)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2, stats.reasons

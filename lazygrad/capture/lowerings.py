@@ -43,6 +43,7 @@ import torch
 from lazygrad.capture import private, special, symbols
 
 aten = torch.ops.aten
+REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def convolution_backward(
@@ -401,10 +402,15 @@ def accumulate_rows(
     ScatterElements' "add" runs sequentially. One index tensor on a later dimension (full
     slices before it: `x[:, idx] += v`, and `unfold`'s backward, whose int32 index torchlib
     handed to ScatterND, which ORT refused) is the same on that dimension moved to the front.
-    Other index_put forms are left as they are."""
+    Other index_put forms are left as they are. On the CPU a float16 or bfloat16 one adds in
+    float32, rounded once at the end (ORT's CPU ScatterElements has no half-precision "add":
+    Swin in `.half()`, its position-bias table's gradient, failed at the check's run)."""
     if not accumulate or not indices or indices[-1] is None or not _integral(indices[-1]) \
             or any(index is not None for index in indices[:-1]):
         return NotImplemented
+    if self.dtype in REDUCED_PRECISION and self.device.type == "cpu":
+        wide = accumulate_rows(self.to(torch.float32), indices, values.to(torch.float32), True)
+        return wide.to(self.dtype)
     index, dim = indices[-1], len(indices) - 1
     if dim:
         values = values.expand(*self.shape[:dim], *index.shape, *self.shape[dim + 1:])
@@ -622,9 +628,6 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
     masked_rows = aten.eq.Scalar(aten.amax.default(input, [dim], True), float("-inf"))
     zero = aten.scalar_tensor.default(0.0, dtype=out.dtype, device=out.device)
     return aten.where.self(masked_rows, zero, out)
-
-
-REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def in_float32(op: torch._ops.OpOverload) -> Callable[..., object]:

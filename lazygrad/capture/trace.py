@@ -50,13 +50,16 @@ class Traced:
 
 @functools.cache
 def decompositions(wide: bool = False) -> dict:
-    """The exporter's own decomposition table, applied at trace time, plus two of ours.
+    """The exporter's own decomposition table, applied at trace time, plus three of ours.
 
     `nll_loss_forward`: torchlib (onnxscript 0.7.2) translates it with a fake `total_weight`
     (1.0), which only its backward reads: gradients came out 32x too large.
     `_native_batch_norm_legit_functional` (BatchNorm in training): ONNX's BatchNormalization
     updates the running variance with the biased batch variance, torch with the unbiased one
-    (the check caught it). And the ops ONNX cannot express as they are (lowerings.py).
+    (the check caught it). `hardtanh_backward` (ReLU6's, clamp's): torchlib lets the gradient
+    through where the input equals a bound, torch does not (ReLU6 at exactly 0 or 6), and its
+    masks are float32 constants, which ORT refused beside a float16 gradient (MobileNet-V2
+    under autocast fell back). And the ops ONNX cannot express as they are (lowerings.py).
 
     `wide` (a float64 call, `in_float64`): also the activations whose ONNX ops take their
     numbers as float32 attributes (LeakyRelu's slope, Elu's alpha, HardSigmoid's 1/6), which
@@ -70,6 +73,7 @@ def decompositions(wide: bool = False) -> dict:
     table.update(private.get_decompositions([
         aten.nll_loss_forward,
         aten._native_batch_norm_legit_functional,
+        aten.hardtanh_backward,
     ]))
     # Lifted whole, so that their draws are eager's (draws.py).
     for op in [aten.native_dropout.default, *draws.NOT_DECOMPOSED]:
@@ -88,7 +92,7 @@ def decompositions(wide: bool = False) -> dict:
 FLOAT64_DECOMPOSED = [
     getattr(aten, name) for name in (
         "leaky_relu", "leaky_relu_backward", "elu", "elu_backward", "celu", "selu",
-        "softplus", "softplus_backward", "hardtanh", "hardtanh_backward",
+        "softplus", "softplus_backward", "hardtanh",
         "hardsigmoid", "hardsigmoid_backward", "hardswish", "hardswish_backward",
         "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
         "native_group_norm_backward", "_native_batch_norm_legit",
