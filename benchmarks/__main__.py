@@ -113,8 +113,7 @@ def _first_step_medians(found: dict[tuple[str, str], fresh.Fresh], workload: str
             first_steps[peer].append(fresh.measure(peer, [workload])[0].first_step_s)
     for peer, seconds in first_steps.items():
         found[(workload, peer)] = dataclasses.replace(
-            found[(workload, peer)], first_step_s=statistics.median(seconds),
-            first_step_samples=tuple(seconds))
+            found[(workload, peer)], first_step_s=statistics.median(seconds))
         say(f"first step     {peer:<14} {workload:<20} median {statistics.median(seconds):.2f} s "
             f"of {len(seconds)} fresh processes ({min(seconds):.2f}-{max(seconds):.2f} s)")
 

@@ -50,7 +50,6 @@ class Fresh:
     building_median_s: float | None = None
     through_ort: bool | None = None  # lazygrad: the first step ran no eager step
     warm: Fresh | None = None  # lazygrad: the same in a second process, on a warm disk cache
-    first_step_samples: tuple[float, ...] = ()  # where first_step_s is a median: its samples
 
 
 def measure(peer: str, workloads: list[str], cache: str = "") -> list[Fresh]:
