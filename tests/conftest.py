@@ -286,3 +286,20 @@ def cuda_usable() -> bool:
     except Exception:
         return False
     return True
+
+
+def trained_small_bert(steps: int):
+    """A 2-layer BERT-shaped model trained `steps` steps, each step's outputs and gradients
+    eager's (`assert_loss_step_like_eager`): the lazy model, and the cache entry of its pair
+    with a backward (to read the graphs it runs)."""
+    from lazygrad import attach
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab=300, hidden=32, layers=2, heads=2)
+    eager = BertPretraining(config)
+    lazy = lazy_copy(eager)
+    inputs = bert_batch(config, batch=2, seq=8)
+    for step in range(steps):
+        assert_loss_step_like_eager(lazy, eager, inputs, f"step {step}")
+    (entry,) = [e for e in attach.installed(lazy)._pairs.values() if e.pair.graphs.backward]
+    return lazy, entry

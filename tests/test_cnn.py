@@ -88,13 +88,15 @@ def test_resnet18_shaped_cnn_trains_through_ort_like_eager_running_statistics_in
     assert stats.builds == 2  # the training pair of the one mask, the eval inference graph
 
 
-def _three_steps_like_eager(eager: torch.nn.Module, shape: tuple[int, ...]) -> torch.nn.Module:
-    """A lazy copy of `eager` and eager itself, three steps on random inputs of `shape` (the
-    sum of the output's squares): outputs and gradients alike at every step, the last two
-    through ORT with no fallback and no break. Returns the lazy model."""
+def _three_steps_like_eager(eager: torch.nn.Module, shape: tuple[int, ...],
+                            layout: torch.memory_format = torch.contiguous_format
+                            ) -> torch.nn.Module:
+    """A lazy copy of `eager` and eager itself, three steps on random inputs of `shape` in
+    `layout` (the sum of the output's squares): outputs and gradients alike at every step, the
+    last two through ORT with no fallback and no break. Returns the lazy model."""
     lazy = lazygrad.lazy(copy.deepcopy(eager))
     for step in range(3):
-        x = torch.randn(*shape)
+        x = torch.randn(*shape).to(memory_format=layout)
         for module in (lazy, eager):
             module.zero_grad(set_to_none=True)
         got, want = lazy(x), eager(x)
@@ -163,15 +165,4 @@ def test_a_channels_last_cnn_trains_through_ort_like_eager(groups):
         torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=groups), torch.nn.ReLU(),
         torch.nn.Conv2d(8, 4, 1), torch.nn.Flatten(),
     ).to(memory_format=torch.channels_last)
-    lazy = lazygrad.lazy(copy.deepcopy(eager))
-    for step in range(3):
-        x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
-        for module in (lazy, eager):
-            module.zero_grad(set_to_none=True)
-        got, want = lazy(x), eager(x)
-        _assert_close(got, want, f"step {step}: output")
-        got.square().sum().backward()
-        want.square().sum().backward()
-        _assert_grads_close(lazy, eager, f"step {step}")
-    stats = lazygrad.stats(lazy)
-    assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    _three_steps_like_eager(eager, (2, 3, 6, 6), torch.channels_last)

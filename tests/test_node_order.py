@@ -6,14 +6,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime
-import torch
-from conftest import assert_loss_step_like_eager, lazy_copy, run_onnx_as_written
+from conftest import run_onnx_as_written, trained_small_bert
 from onnx import TensorProto, helper
 
 import lazygrad
-from lazygrad import attach
 from lazygrad.capture import node_order
-from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 
 
 def _matmuls(perm_a: list[int], extra_reader: bool) -> onnx.ModelProto:
@@ -65,16 +62,9 @@ def test_a_transpose_read_elsewhere_stays_and_other_permutations_are_left_alone(
 
 
 def test_the_backward_runs_in_node_order_without_function_calls_and_trains_like_eager():
-    torch.manual_seed(0)
-    config = BertConfig(vocab=300, hidden=32, layers=2, heads=2)
-    eager = BertPretraining(config)
-    lazy = lazy_copy(eager)
-    inputs = bert_batch(config, batch=2, seq=8)
-    for step in range(2):
-        assert_loss_step_like_eager(lazy, eager, inputs, f"step {step}")
+    lazy, entry = trained_small_bert(2)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits >= 1
-    (entry,) = [e for e in attach.installed(lazy)._pairs.values() if e.pair.graphs.backward]
     graphs = entry.pair.graphs
     for model in (graphs.backward, *graphs.backward_segments):
         assert not model.functions
