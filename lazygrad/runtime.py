@@ -420,18 +420,26 @@ class Runtime:
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
         except ChecksFailed as failed:  # eager raises the check's error, or reads the other value
-            with self._lock:
-                self.stats.eager_steps += 1
-                missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
-                calls = found.stats.hits + missed
-            if missed >= CHECK_MISSES and missed * 5 >= calls:
-                last = f" (the last in ORT: {failed})" if str(failed) else ""
-                self._give_up(signature, "the checks its graph makes on tensor values (a branch "
-                              "or a number read as its first call read it) failed in "
-                              f"{missed} of {calls} calls, each run again in eager PyTorch{last}")
+            self._missed_check(signature, found.stats.hits,
+                               f" (the last in ORT: {failed})" if str(failed) else "")
             return self._eager(args, kwargs)
         outputs = pair.module_outputs(roots, primals, env)
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))
+
+    def _missed_check(self, signature: Signature, hits: int, last: str) -> None:
+        """A call that its graph's checks refuse (or would: a first call whose top-k picked
+        among equal values) ran eagerly; `hits`: the signature's calls its graph served. The
+        signature runs without graphs where such calls are not rare (`CHECK_MISSES`)."""
+        unsized = _unsized(signature)
+        with self._lock:
+            self.stats.eager_steps += 1
+            missed = self._missed_checks[unsized] = self._missed_checks.get(unsized, 0) + 1
+            calls = hits + missed
+        if missed >= CHECK_MISSES and missed * 5 >= calls:
+            self._give_up(signature, "the checks its graph makes on tensor values (a branch or "
+                          "a number read as its first call read it, a top-k's picks all "
+                          f"distinct) failed in {missed} of {calls} calls, each run again in "
+                          f"eager PyTorch{last}")
 
     def _numbers_churn(self, signature: Signature, call: FlatCall, args: tuple,
                        kwargs: dict) -> bool:
@@ -531,7 +539,7 @@ class Runtime:
         a counter bumped at every call, whose calls then all run eagerly as they must)."""
         written = self._written_values(self.module)
         watch = Watch(list(state.values()), call.tensors)
-        with checks.recording() as reads, watching_first_call(self.module) as refuse_hooks:
+        with checks.recording() as recorded, watching_first_call(self.module) as refuse_hooks:
             result = self._eager_or_explain(args, kwargs, call)
         if any(map(operator.is_, written, self._written_values(self.module))):
             self._drop_writes()  # this call left one as it was: part of the signature again
@@ -546,6 +554,13 @@ class Runtime:
         if every_call and not self._adopt_writes(signature.modes, modes):
             self._fall_back_for_changes(signature.modes, modes)
         if changed:
+            return result
+        if recorded.ties:
+            # Graphs built on this call would not be eager's on it (`checks._distinct_picks`):
+            # the next call is a first call again.
+            file, line = recorded.ties[-1]
+            self._missed_check(signature, 0, f" (the last: a top-k at {file}:{line} picked "
+                               "among equal values, in an order eager's kernel chooses)")
             return result
         try:
             template, tensors = OutputTemplate.of(self._with_writes(result, self.module))
@@ -569,7 +584,7 @@ class Runtime:
                     state_names=state_names,
                     device=device,
                     index_key=key,
-                    reads=tuple(reads),
+                    reads=tuple(recorded.reads),
                 )
         watch.outputs(tensors)
         if not signature.grad:

@@ -13,7 +13,11 @@ GatherElements, ScatterElements and OneHot take a negative index from the end, w
 `embedding`, `gather`, `index_select`, `scatter`, `index_add`, `one_hot` and the class targets
 of `cross_entropy` and `nll_loss` raise in eager; a token id or a label of -1 (a padding value
 mistaken for `ignore_index`) trained silently on the last row or class. A call with an index
-out of its range runs again in eager PyTorch, which raises eager's error.
+out of its range runs again in eager PyTorch, which raises eager's error. A top-k's picks are
+kept alike, checked all distinct (`_distinct_picks`): among equal values eager's kernel picks
+in an order ORT does not follow, so such a call runs in eager PyTorch too, and a first call
+with one, whose graphs would not be eager's on it, is recorded (`Recording.ties`) and builds
+nothing.
 
 A value read from a tensor is taken as the signature's first call read it: a branch on a value
 (`if torch.isinf(h).any() or torch.isnan(h).any(): h = h.clamp(...)` in DETR's encoder layers;
@@ -35,6 +39,7 @@ the lines where that trace fails: there they are the first call's, as every othe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -149,6 +154,9 @@ _SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch,
               (torch.Tensor, "argwhere"), (torch.Tensor, "masked_select"),
               (torch.Tensor, "repeat_interleave"), (torch.Tensor, "unique"))
 
+# The ops whose picks are checked for ties (`_distinct_picks`), by where code calls them.
+_PICKING_OPS = ((torch, "topk"), (torch.Tensor, "topk"))
+
 # A `tolist()` of more elements is not recorded (its trace then fails, as before): a list that
 # long is data (token ids), which the next call would not repeat.
 LARGEST_LIST = 4096
@@ -169,22 +177,31 @@ def lines_from_data(reads: Reads | None) -> frozenset[data_lengths.Line]:
     return frozenset((read[0], read[1]) for read in reads or () if read[4])
 
 
+@dataclasses.dataclass
+class Recording:
+    """What a call read from tensors (`Reads`, in order), and the lines (file, line) where a
+    top-k it made picked among equal values (`_distinct_picks`)."""
+
+    reads: list[tuple[str, int, int, Any, bool]] = dataclasses.field(default_factory=list)
+    ties: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, int, int, Any, bool]]]:
+def recording() -> Iterator[Recording]:
     """What each value read from a tensor in this block (on this thread) returned, and each
-    length an op read from data (`selections.py`), by where it was read (`Reads`). The readers
-    of `torch.Tensor` and those ops are wrapped while any thread records: a torch function mode
-    would do, but an active mode turns off eager's inference fast paths
-    (`nn.TransformerEncoder`'s nested tensors), and the call must be eager's own. Boolean-mask
-    indexing is the exception (`_BooleanIndexRecorded`)."""
-    values: list[tuple[str, int, int, Any, bool]] = []
+    length an op read from data (`selections.py`), by where it was read (`Reads`); and where a
+    top-k picked among equal values. The readers of `torch.Tensor` and those ops are wrapped
+    while any thread records: a torch function mode would do, but an active mode turns off
+    eager's inference fast paths (`nn.TransformerEncoder`'s nested tensors), and the call must
+    be eager's own. Boolean-mask indexing is the exception (`_BooleanIndexRecorded`)."""
+    recorded = Recording()
     recorders = _state.__dict__.setdefault("recorders", [])
-    recorders.append((values, {}))
+    recorders.append((recorded, {}))
     indexing = _BooleanIndexRecorded() if torch.is_grad_enabled() and len(recorders) == 1 \
         else contextlib.nullcontext()
     with _reads_recorded(), indexing:
         try:
-            yield values
+            yield recorded
         finally:
             recorders.pop()
 
@@ -195,8 +212,8 @@ _recording_threads = 0
 
 @contextlib.contextmanager
 def _reads_recorded() -> Iterator[None]:
-    """`torch.Tensor`'s readers and the ops of `_SIZED_OPS` record (`_recorded`,
-    `_length_recorded`) while any thread is in this block."""
+    """`torch.Tensor`'s readers and the ops of `_SIZED_OPS` and `_PICKING_OPS` record
+    (`_recorded`, `_length_recorded`, `_ties_recorded`) while any thread is in this block."""
     global _recording_threads
     with _recording:
         if _recording_threads == 0:
@@ -205,6 +222,8 @@ def _reads_recorded() -> Iterator[None]:
                         _recorded(name, getattr(torch._C.TensorBase, name)))
             for owner, name in _SIZED_OPS:
                 setattr(owner, name, _length_recorded(name, getattr(owner, name)))
+            for owner, name in _PICKING_OPS:
+                setattr(owner, name, _ties_recorded(getattr(owner, name)))
         _recording_threads += 1
     try:
         yield
@@ -214,7 +233,7 @@ def _reads_recorded() -> Iterator[None]:
             if _recording_threads == 0:
                 for name in _READERS:
                     delattr(torch.Tensor, name)
-                for owner, name in _SIZED_OPS:
+                for owner, name in (*_SIZED_OPS, *_PICKING_OPS):
                     original = getattr(owner, name).__wrapped__
                     if owner is torch.Tensor and original is getattr(torch._C.TensorBase, name,
                                                                      None):
@@ -265,10 +284,10 @@ def _record(frame: Any, value: Any, kept: bool = True, symbolic: bool = False) -
     """Keeps `value`, read at `frame`, in this thread's recordings, where `kept` (else the read
     is only counted at its line, so the reads after it keep their counts); `symbolic`: a trace
     may make it each call's (`Reads`)."""
-    for values, counts in getattr(_state, "recorders", ()):
+    for recorded, counts in getattr(_state, "recorders", ()):
         site = _site(frame, counts)
         if kept:
-            values.append((*site, value, symbolic))
+            recorded.reads.append((*site, value, symbolic))
 
 
 def _symbolic(name: str, tensor: torch.Tensor) -> bool:
@@ -292,6 +311,31 @@ def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
         sized = selections.form(name, args, kwargs)
         if sized is not None:
             _record(_caller(sys._getframe(1)), sized.length(result), symbolic=True)
+        return result
+
+    return recorded
+
+
+def _ties_recorded(op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        """The op's result; where this thread records and its picks tie (`_distinct_picks`),
+        the line that called it, kept by the recordings (once: the check's own top-k, and
+        `Tensor.topk` reached again from a mode, record nothing)."""
+        result = op(*args, **kwargs)
+        if not getattr(_state, "recorders", ()) or getattr(_state, "reading", False):
+            return result
+        _state.reading = True  # (the check's reads of its own tensors are no call's reads)
+        try:
+            with torch.no_grad():
+                distinct = _distinct_picks(args, kwargs)
+                tied = distinct is not None and not bool(distinct.all())
+        finally:
+            _state.reading = False
+        if tied:
+            frame = _caller(sys._getframe(1))
+            for records, _ in _state.recorders:
+                records.ties.append((frame.f_code.co_filename, frame.f_lineno))
         return result
 
     return recorded
@@ -402,7 +446,25 @@ def _classes(input: torch.Tensor, target: torch.Tensor, weight: Any = None,
     return _in_range(target, input.shape[1 if input.dim() > 1 else 0], ignore_index)
 
 
-# function -> the check of its index arguments, from the call's (args, kwargs), or None. Not
+def _distinct_picks(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Whether a top-k's picks, and the value after them, are all distinct (`torch.topk`'s
+    arguments). Among equal values eager's kernel picks in an order of its own (its selection
+    algorithm's: `tensor([3., 3., 3., 3.]).topk(3)` gives indices 2, 3, 0 on the CPU), which
+    ONNX's TopK does not follow (the lowest index first): the indices, and the positions the
+    gradient reaches, would differ silently. A call with a tie runs in eager PyTorch."""
+    input = args[0] if args else kwargs["input"]
+    if input.dim() == 0:
+        return None
+    k = args[1] if len(args) > 1 else kwargs["k"]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+    compared = torch.sym_min(k + 1, input.shape[dim])
+    values = torch.topk(input, compared, dim, largest, True).values
+    return values.narrow(dim, 1, compared - 1) != values.narrow(dim, 0, compared - 1)
+
+
+# function -> the check of its index arguments (a top-k's: of its picks), from the call's
+# (args, kwargs), or None. Not
 # `index_fill`, `take_along_dim` and indexing (`x[rows]`), which take -1 from the end in eager.
 _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     F.embedding: lambda a, k: _in_range(a[0], (a[1] if len(a) > 1 else k["weight"]).shape[0]),
@@ -411,6 +473,8 @@ _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     else _in_range(a[0], n),
     F.cross_entropy: lambda a, k: _classes(*a, **k),
     F.nll_loss: lambda a, k: _classes(*a, **k),
+    torch.topk: _distinct_picks,
+    torch.Tensor.topk: _distinct_picks,
     **{function: lambda a, k: _along(_dim(a, k), _index(a, k), a[0]) for function in (
         torch.gather, torch.Tensor.gather, torch.index_select, torch.Tensor.index_select,
         torch.Tensor.scatter, torch.Tensor.scatter_, torch.scatter, torch.Tensor.scatter_add,
