@@ -427,8 +427,8 @@ class Runtime:
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))
 
     def _missed_check(self, signature: Signature, hits: int, last: str) -> None:
-        """A call that its graph's checks refuse (or would: a first call whose top-k picked
-        among equal values) ran eagerly; `hits`: the signature's calls its graph served. The
+        """A call that its graph's checks refuse (or would: a first call whose top-k or median
+        picked among equal values) ran eagerly; `hits`: the signature's calls its graph served. The
         signature runs without graphs where such calls are not rare (`CHECK_MISSES`)."""
         unsized = _unsized(signature)
         with self._lock:
@@ -437,9 +437,9 @@ class Runtime:
             calls = hits + missed
         if missed >= CHECK_MISSES and missed * 5 >= calls:
             self._give_up(signature, "the checks its graph makes on tensor values (a branch or "
-                          "a number read as its first call read it, a top-k's picks all "
-                          f"distinct) failed in {missed} of {calls} calls, each run again in "
-                          f"eager PyTorch{last}")
+                          "a number read as its first call read it, a top-k's or median's "
+                          f"picks free of ties) failed in {missed} of {calls} calls, each run "
+                          f"again in eager PyTorch{last}")
 
     def _numbers_churn(self, signature: Signature, call: FlatCall, args: tuple,
                        kwargs: dict) -> bool:
@@ -556,10 +556,10 @@ class Runtime:
         if changed:
             return result
         if recorded.ties:
-            # Graphs built on this call would not be eager's on it (`checks._distinct_picks`):
+            # Graphs built on this call would not be eager's on it (`checks._PICKS`):
             # the next call is a first call again.
             file, line = recorded.ties[-1]
-            self._missed_check(signature, 0, f" (the last: a top-k at {file}:{line} picked "
+            self._missed_check(signature, 0, f" (the last: a selection at {file}:{line} picked "
                                "among equal values, in an order eager's kernel chooses)")
             return result
         try:

@@ -127,7 +127,25 @@ def _accumulated(h):
     return _cat(h[:, :, torch.tensor([0, 2, 2, 7, 0])] * 2, windows * windows.flip(-1))
 
 
+def _ranked(h):
+    """`searchsorted` (over one sequence and over rows, either side, with a sorter), medians and
+    `kthvalue`, which ONNX lacks (`lowerings.search_sorted`, `median_of_all`, `sorted_pick`),
+    at values distinct within each row; positions of exact ties with the edges among them."""
+    rows = h.flatten(2)  # (batch, channels, 64)
+    edges = torch.tensor([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0])
+    on_edges = torch.cat([rows[..., :4], edges.expand(*rows.shape[:2], -1)], -1)
+    positions = [torch.searchsorted(edges, on_edges), torch.bucketize(on_edges, edges, right=True),
+                 torch.searchsorted(rows.sort(-1).values, on_edges),
+                 torch.searchsorted(rows, on_edges, side="right", sorter=rows.argsort(-1),
+                                    out_int32=True)]
+    median, median_at = rows.median(-1)
+    kth, kth_at = rows.kthvalue(5, -1, keepdim=True)
+    return _cat(*(p.float() for p in positions), median, median_at.float(), kth, kth_at.float(),
+                rows.median().expand(len(h), 1), h)
+
+
 OPS = {
+    "ranked": _ranked,
     "attention": _attention,
     "max_pool": _max_pool,
     "padding": _padded,

@@ -98,24 +98,29 @@ def test_ort_takes_the_first_of_an_exact_tie_as_torch_does():
 
 
 class TiedRouter(torch.nn.Module):
-    """Routes each row to the 3 experts a top-k picks, weighted by their scores. Among exactly
-    equal scores eager's CPU kernel picks in an order of its own (`[3, 3, 3, 3].topk(3)` gives
-    indices 2, 3, 0), ORT's TopK the lowest index first: a call with a tie got other experts,
-    another output and other gradients, with no fallback."""
+    """Routes each row to the experts a selection picks (`PICKS`), weighted by their scores.
+    Among exactly equal scores eager's CPU kernels pick in an order of their own
+    (`[3, 3, 3, 3].topk(3)` gives indices 2, 3, 0), the trace's ops the lowest index first: a
+    call with a tie got other experts, another output and other gradients, with no fallback."""
 
-    def __init__(self) -> None:
+    def __init__(self, pick: str) -> None:
         super().__init__()
+        self.pick = PICKS[pick]
         self.scale = torch.nn.Parameter(torch.ones(()))
         self.experts = torch.nn.Parameter(torch.randn(8))
 
     def forward(self, x):
-        scores, chosen = (x * self.scale).topk(3, dim=-1)
-        return (scores * self.experts[chosen]).sum(-1), chosen
+        scores, chosen = self.pick(x * self.scale)
+        return (scores * self.experts[chosen]).reshape(len(x), -1).sum(-1), chosen
 
 
-_TIED = torch.tensor([[3.0, 3.0, 3.0, 3.0, 1.0, 0.0, 2.0, 3.0],  # among the picks
+PICKS = {"topk": lambda scores: scores.topk(3, dim=-1),
+         "median": lambda scores: scores.median(-1),  # (lowered: `lowerings.sorted_pick`)
+         "kthvalue": lambda scores: torch.kthvalue(scores, 3, -1)}
+# Ties at every pick: among the top 3 (first row), at the 3rd-4th of the sorted row (both).
+_TIED = torch.tensor([[3.0, 3.0, 3.0, 3.0, 1.0, 0.0, 2.0, 3.0],
                       [0.5, 2.0, 2.0, 1.0, 0.0, 2.0, 0.0, 0.0]])
-_NEXT_TIED = torch.tensor([[1.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0]] * 2)  # past the picks
+_NEXT_TIED = torch.tensor([[1.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0]] * 2)  # past the top 3
 
 
 def _routed_like_eager(lazy: torch.nn.Module, eager: torch.nn.Module, calls: list[str]) -> None:
@@ -132,16 +137,18 @@ def _routed_like_eager(lazy: torch.nn.Module, eager: torch.nn.Module, calls: lis
         assert_grads_equal(lazy, eager, f"step {step} ({name})")
 
 
+@pytest.mark.parametrize("pick", PICKS)
 @pytest.mark.parametrize("calls", [
     "distinct, tied, next tied, distinct",  # ties once the graphs serve: those calls eagerly
     "tied, distinct, distinct, tied",  # a first call with a tie builds nothing
 ])
-def test_a_top_k_among_equal_values_runs_eagerly_and_gives_eagers_picks(calls):
-    """A top-k's graph checks that its picks and the value after them are all distinct; a call
-    where they are not runs again in eager PyTorch, and a first call with a tie, whose graphs
-    would not compute what it computed, leaves the next call to be the first."""
+def test_a_pick_among_equal_values_runs_eagerly_and_gives_eagers_picks(calls, pick):
+    """A top-k's graph checks that its picks and the value after them are all distinct, a
+    median's or k-th value's that no other element equals it; a call where they are not runs
+    again in eager PyTorch, and a first call with a tie, whose graphs would not compute what it
+    computed, leaves the next call to be the first."""
     torch.manual_seed(0)
-    eager = TiedRouter()
+    eager = TiedRouter(pick)
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     steps = calls.split(", ")
     _routed_like_eager(lazy, eager, steps)
@@ -154,9 +161,9 @@ def test_a_top_k_among_equal_values_runs_eagerly_and_gives_eagers_picks(calls):
 
 def test_a_top_k_tied_at_every_call_runs_in_eager_pytorch_with_the_reason_said():
     torch.manual_seed(0)
-    eager = TiedRouter()
+    eager = TiedRouter("topk")
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
-    with pytest.warns(UserWarning, match=r"top-k's picks all distinct\) failed in 4 of 4 calls"
+    with pytest.warns(UserWarning, match=r"picks free of ties\) failed in 4 of 4 calls"
                                          r".*test_verify.py:\d+ picked among equal values"):
         _routed_like_eager(lazy, eager, ["tied"] * 6)
     stats = lazygrad.stats(lazy)

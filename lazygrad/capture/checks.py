@@ -13,11 +13,11 @@ GatherElements, ScatterElements and OneHot take a negative index from the end, w
 `embedding`, `gather`, `index_select`, `scatter`, `index_add`, `one_hot` and the class targets
 of `cross_entropy` and `nll_loss` raise in eager; a token id or a label of -1 (a padding value
 mistaken for `ignore_index`) trained silently on the last row or class. A call with an index
-out of its range runs again in eager PyTorch, which raises eager's error. A top-k's picks are
-kept alike, checked all distinct (`_distinct_picks`): among equal values eager's kernel picks
-in an order ORT does not follow, so such a call runs in eager PyTorch too, and a first call
-with one, whose graphs would not be eager's on it, is recorded (`Recording.ties`) and builds
-nothing.
+out of its range runs again in eager PyTorch, which raises eager's error. The picks of a
+top-k, a median along a dimension and a k-th value are kept alike, checked free of ties
+(`_PICKS`): among equal values eager's kernels pick in an order ORT does not follow, so such a
+call runs in eager PyTorch too, and a first call with one, whose graphs would not be eager's on
+it, is recorded (`Recording.ties`) and builds nothing.
 
 A value read from a tensor is taken as the signature's first call read it: a branch on a value
 (`if torch.isinf(h).any() or torch.isnan(h).any(): h = h.clamp(...)` in DETR's encoder layers;
@@ -154,8 +154,9 @@ _SIZED_OPS = ((torch, "nonzero"), (torch, "argwhere"), (torch, "where"), (torch,
               (torch.Tensor, "argwhere"), (torch.Tensor, "masked_select"),
               (torch.Tensor, "repeat_interleave"), (torch.Tensor, "unique"))
 
-# The ops whose picks are checked for ties (`_distinct_picks`), by where code calls them.
-_PICKING_OPS = ((torch, "topk"), (torch.Tensor, "topk"))
+# The ops whose picks are checked for ties (`_PICKS`), by where code calls them.
+_PICKING_OPS = tuple((owner, name) for name in ("topk", "median", "kthvalue")
+                     for owner in (torch, torch.Tensor))
 
 # A `tolist()` of more elements is not recorded (its trace then fails, as before): a list that
 # long is data (token ids), which the next call would not repeat.
@@ -180,7 +181,7 @@ def lines_from_data(reads: Reads | None) -> frozenset[data_lengths.Line]:
 @dataclasses.dataclass
 class Recording:
     """What a call read from tensors (`Reads`, in order), and the lines (file, line) where a
-    top-k it made picked among equal values (`_distinct_picks`)."""
+    selection it made picked among equal values (`_PICKS`)."""
 
     reads: list[tuple[str, int, int, Any, bool]] = dataclasses.field(default_factory=list)
     ties: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -190,7 +191,7 @@ class Recording:
 def recording() -> Iterator[Recording]:
     """What each value read from a tensor in this block (on this thread) returned, and each
     length an op read from data (`selections.py`), by where it was read (`Reads`); and where a
-    top-k picked among equal values. The readers of `torch.Tensor` and those ops are wrapped
+    selection picked among equal values. The readers of `torch.Tensor` and those ops are wrapped
     while any thread records: a torch function mode would do, but an active mode turns off
     eager's inference fast paths (`nn.TransformerEncoder`'s nested tensors), and the call must
     be eager's own. Boolean-mask indexing is the exception (`_BooleanIndexRecorded`)."""
@@ -223,7 +224,8 @@ def _reads_recorded() -> Iterator[None]:
             for owner, name in _SIZED_OPS:
                 setattr(owner, name, _length_recorded(name, getattr(owner, name)))
             for owner, name in _PICKING_OPS:
-                setattr(owner, name, _ties_recorded(getattr(owner, name)))
+                op = getattr(owner, name)
+                setattr(owner, name, _ties_recorded(op, _PICKS[op]))
         _recording_threads += 1
     try:
         yield
@@ -316,20 +318,21 @@ def _length_recorded(name: str, op: Callable[..., Any]) -> Callable[..., Any]:
     return recorded
 
 
-def _ties_recorded(op: Callable[..., Any]) -> Callable[..., Any]:
+def _ties_recorded(op: Callable[..., Any], check: Callable[[tuple, dict], torch.Tensor | None]
+                   ) -> Callable[..., Any]:
     @functools.wraps(op)
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        """The op's result; where this thread records and its picks tie (`_distinct_picks`),
-        the line that called it, kept by the recordings (once: the check's own top-k, and
-        `Tensor.topk` reached again from a mode, record nothing)."""
+        """The op's result; where this thread records and its picks tie (`check`), the line
+        that called it, kept by the recordings (once: the check's own selection, and a method
+        reached again from a mode, record nothing)."""
         result = op(*args, **kwargs)
         if not getattr(_state, "recorders", ()) or getattr(_state, "reading", False):
             return result
         _state.reading = True  # (the check's reads of its own tensors are no call's reads)
         try:
             with torch.no_grad():
-                distinct = _distinct_picks(args, kwargs)
-                tied = distinct is not None and not bool(distinct.all())
+                held = check(args, kwargs)
+                tied = held is not None and not bool(held.all())
         finally:
             _state.reading = False
         if tied:
@@ -463,8 +466,46 @@ def _distinct_picks(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return values.narrow(dim, 1, compared - 1) != values.narrow(dim, 0, compared - 1)
 
 
-# function -> the check of its index arguments (a top-k's: of its picks), from the call's
-# (args, kwargs), or None. Not
+def _only_median(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Whether a median along a dimension (`torch.median`'s arguments) picks in each row a value
+    no other element equals, nor a NaN (eager's median is then the NaN): among equal values the
+    index eager returns is its kernel's choice, the trace's the first of a stable sort
+    (`lowerings.sorted_pick`). A median of every element, whose gradient is shared among the
+    elements equal to it, needs none."""
+    input = args[0] if args else kwargs["input"]
+    if input.dim() == 0 or (len(args) < 2 and "dim" not in kwargs):
+        return None
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    picked = torch.median(input, dim, True).values
+    return _only(input, picked, dim) & ~input.isnan().any(dim)
+
+
+def _only_kth(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """`_only_median` for `torch.kthvalue` (NaN sorts last, as in the trace's sort)."""
+    input = args[0] if args else kwargs["input"]
+    if input.dim() == 0:
+        return None
+    k = args[1] if len(args) > 1 else kwargs["k"]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    return _only(input, torch.kthvalue(input, k, dim, True).values, dim)
+
+
+def _only(input: torch.Tensor, picked: torch.Tensor, dim: int) -> torch.Tensor:
+    """Whether each row of `input` along `dim` holds its picked value once."""
+    return (input == picked).sum(dim) == 1
+
+
+# The selections whose picks among equal values eager's kernels order their own way: the check
+# that a call's picks are free of ties.
+_PICKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
+    torch.topk: _distinct_picks, torch.Tensor.topk: _distinct_picks,
+    torch.median: _only_median, torch.Tensor.median: _only_median,
+    torch.kthvalue: _only_kth, torch.Tensor.kthvalue: _only_kth,
+}
+
+
+# function -> the check of its index arguments (a top-k's, a median's: of its picks), from the
+# call's (args, kwargs), or None. Not
 # `index_fill`, `take_along_dim` and indexing (`x[rows]`), which take -1 from the end in eager.
 _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     F.embedding: lambda a, k: _in_range(a[0], (a[1] if len(a) > 1 else k["weight"]).shape[0]),
@@ -473,8 +514,7 @@ _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     else _in_range(a[0], n),
     F.cross_entropy: lambda a, k: _classes(*a, **k),
     F.nll_loss: lambda a, k: _classes(*a, **k),
-    torch.topk: _distinct_picks,
-    torch.Tensor.topk: _distinct_picks,
+    **_PICKS,
     **{function: lambda a, k: _along(_dim(a, k), _index(a, k), a[0]) for function in (
         torch.gather, torch.Tensor.gather, torch.index_select, torch.Tensor.index_select,
         torch.Tensor.scatter, torch.Tensor.scatter_, torch.scatter, torch.Tensor.scatter_add,

@@ -13,11 +13,13 @@ mutates) into a select; an accumulating index_put, whose translation ONNX Runtim
 into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
 into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
-and torch choose alike; and attention's `_safe_softmax` into one that finds its masked rows in
-one reduction (`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)`
-into the `randint` eager draws alike (`random_integers`); `max(dim)` of booleans into that of
-bytes (`boolean_maximum`); a broadcasting `copy` into one of its source expanded
-(`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
+and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
+`bucketize` or counts of smaller elements (`search_sorted`) and picks of a stable sort
+(`median_of_all`, `sorted_pick`); and attention's `_safe_softmax` into one that finds its
+masked rows in one reduction (`safe_softmax`: a translation ORT runs in six passes);
+`random_(low, high)` into the `randint` eager draws alike (`random_integers`); `max(dim)` of
+booleans into that of bytes (`boolean_maximum`); a broadcasting `copy` into one of its source
+expanded (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
 `masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`);
 `masked_select` into an index by `nonzero` (`masked_select`); `expm1` and
 `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
@@ -450,6 +452,53 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return aten.topk.default(self, k, dim, largest, True)
 
 
+def search_sorted(sorted_sequence: torch.Tensor, self: torch.Tensor, *, out_int32: bool = False,
+                  right: bool = False, side: str | None = None,
+                  sorter: torch.Tensor | None = None) -> torch.Tensor:
+    """`searchsorted`, which ONNX lacks (NeRF's sampling by a CDF, a spline's bins): over one
+    sequence the values' `bucketize`, which translates; over rows, each value's count of its
+    row's elements below it (at or below it, `right`), which in a sorted row is the index
+    searchsorted returns."""
+    right = right or side == "right"
+    if sorter is not None:
+        sorted_sequence = sorted_sequence.gather(-1, sorter)
+    if sorted_sequence.dim() == 1:
+        return aten.bucketize.Tensor(self, sorted_sequence, out_int32=out_int32, right=right)
+    rows, values = sorted_sequence.unsqueeze(-2), self.unsqueeze(-1)
+    below = rows <= values if right else rows < values
+    return below.sum(-1, dtype=torch.int32 if out_int32 else torch.int64)
+
+
+def median_of_all(self: torch.Tensor) -> torch.Tensor:
+    """`median()` of every element, which ONNX lacks: the lower middle of them sorted, NaN where
+    one is (as eager). Its gradient stays torch's formula (shared among the equal elements)."""
+    flat = self.reshape(-1)
+    middle = aten.sort.stable(flat, stable=True)[0][(flat.shape[0] - 1) // 2]
+    if not self.is_floating_point():
+        return middle
+    return torch.where(flat.isnan().any(), flat.new_full((), math.nan), middle)
+
+
+def sorted_pick(self: torch.Tensor, position: int, dim: int, keepdim: bool) -> object:
+    """The value at `position` of each row sorted along `dim`, and its index: `median(dim)` and
+    `kthvalue`, which ONNX lacks. Among equal values eager's index is its kernel's choice, this
+    the first: a call with such a tie (or, for the median, a NaN) runs in eager PyTorch
+    (`checks._PICKS`)."""
+    if self.dim() == 0:
+        return NotImplemented
+    values, indices = aten.sort.stable(self, stable=True, dim=dim)
+    values, indices = values.narrow(dim, position, 1), indices.narrow(dim, position, 1)
+    return (values, indices) if keepdim else (values.squeeze(dim), indices.squeeze(dim))
+
+
+def median_along(self: torch.Tensor, dim: int, keepdim: bool = False) -> object:
+    return sorted_pick(self, (self.shape[dim] - 1) // 2 if self.dim() else 0, dim, keepdim)
+
+
+def kth_along(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) -> object:
+    return sorted_pick(self, k - 1, dim, keepdim)
+
+
 def broadcast_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> object:
     """`copy(self, src)` (a functionalized `self.copy_(src)`, a slice assignment) broadcasts
     `src` to `self`'s shape; torchlib's translation hands `src` on as it is, and a smaller
@@ -719,6 +768,10 @@ TABLE = {
     aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
+    aten.searchsorted.Tensor: search_sorted,
+    aten.median.default: median_of_all,
+    aten.median.dim: median_along,
+    aten.kthvalue.default: kth_along,
     aten.max.dim: boolean_maximum,
     aten.masked_scatter_backward.default: masked_scatter_backward,
     aten.masked_select.default: masked_select,
