@@ -11,6 +11,7 @@ with padding_idx: tests/test_capture.py.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 
@@ -915,5 +916,39 @@ def test_relu6_and_clamp_at_their_bounds_pass_no_gradient_as_eager():
         got = sum_step_like_eager(lazy, eager, (x * (1 + step),), f"step {step}")
     assert ran_through_ort([got])
     assert torch.equal(lazy.scale.grad, eager.scale.grad)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2, stats.reasons
+
+
+def test_atan2_gives_eagers_angle_on_the_axes_at_signed_zeros_infinities_and_nan():
+    """torchlib's `atan2` took the quadrant from `y > 0` and mapped NaN to 0: once built on a
+    call of ordinary values, a later call got -pi for a vector on the negative x-axis (eager:
+    pi), 0 for NaN, and 0 for two zeros of any signs (eager: +-0 or +-pi), silently
+    (`lowerings.quadrant_atan2`). Every pair of special values, after a first call of ordinary
+    ones: eager's angles, zeros' signs included (a finite y over an infinite x within a
+    subnormal), and eager's gradients (NaN where eager's are)."""
+
+    class Angles(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return torch.atan2(y * self.scale, x)
+
+    special = [0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 2.5, -3.0]
+    y, x = (torch.tensor(pair) for pair in zip(*itertools.product(special, special)))
+    eager = Angles()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, (y_now, x_now) in enumerate([(torch.randn(81), torch.randn(81)), (y, x), (y, -x)]):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        got, want = lazy(y_now, x_now), eager(y_now, x_now)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-37, equal_nan=True), f"step {step}"
+        assert torch.equal(got.signbit() | got.isnan(), want.signbit() | want.isnan()), step
+        got.square().nan_to_num().sum().backward()
+        want.square().nan_to_num().sum().backward()
+        assert torch.allclose(lazy.scale.grad, eager.scale.grad, equal_nan=True), f"step {step}"
+    assert ran_through_ort([got])
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2, stats.reasons

@@ -15,7 +15,8 @@ into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
 `bucketize` or counts of smaller elements (`search_sorted`) and picks of a stable sort
-(`median_of_all`, `sorted_pick`); and attention's `_safe_softmax` into one that finds its
+(`median_of_all`, `sorted_pick`); `atan2` into a form that keeps eager's quadrants at zeros,
+infinities and NaN (`quadrant_atan2`); and attention's `_safe_softmax` into one that finds its
 masked rows in one reduction (`safe_softmax`: a translation ORT runs in six passes);
 `random_(low, high)` into the `randint` eager draws alike (`random_integers`); `max(dim)` of
 booleans into that of bytes (`boolean_maximum`); a broadcasting `copy` into one of its source
@@ -499,6 +500,32 @@ def kth_along(self: torch.Tensor, k: int, dim: int = -1, keepdim: bool = False) 
     return sorted_pick(self, k - 1, dim, keepdim)
 
 
+def quadrant_atan2(self: torch.Tensor, other: torch.Tensor) -> object:
+    """`atan2(y, x)` as eager (C's `atan2`) computes it at every input. torchlib's translation
+    takes the quadrant from `y > 0` and maps NaN to 0: a vector on the negative x-axis,
+    (y, x) = (0, -1), got -pi where eager gives pi, a NaN came out 0, and signed zeros and two
+    infinities lost their angles (eager: atan2(-0, -0) = -pi, atan2(inf, -inf) = 3 pi / 4).
+    Here the angle of (y, |x|), whose quotient keeps a zero's sign (two zeros: y / 1; an
+    infinity: the largest finite value), mirrored where x's sign bit is set. No selection
+    carries a value: ORT's Where returns -0.0 as 0.0 from its first branch. Its gradient stays
+    torch's formula."""
+    if not (self.is_floating_point() and other.is_floating_point()):
+        return NotImplemented
+    largest = torch.finfo(self.dtype).max
+    zeros = ((self == 0) & (other == 0)).to(self.dtype)
+    angle = torch.atan(self.clamp(-largest, largest)
+                       / (other.abs().clamp(max=largest) + zeros))
+    mirrored = _sign_bit(other).to(angle.dtype)
+    half_turn = torch.where(_sign_bit(self), angle.new_full((), -math.pi),
+                            angle.new_full((), math.pi))
+    return angle * (1 - 2 * mirrored) + half_turn * mirrored
+
+
+def _sign_bit(x: torch.Tensor) -> torch.Tensor:
+    """Whether `x` is negative, -0.0 included (1 / -0.0 is -inf); NaN's is False."""
+    return (x < 0) | ((x == 0) & (x.reciprocal() < 0))
+
+
 def broadcast_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> object:
     """`copy(self, src)` (a functionalized `self.copy_(src)`, a slice assignment) broadcasts
     `src` to `self`'s shape; torchlib's translation hands `src` on as it is, and a smaller
@@ -769,6 +796,7 @@ TABLE = {
     aten.sort.default: stable_sort,
     aten.topk.default: sorted_topk,
     aten.searchsorted.Tensor: search_sorted,
+    aten.atan2.default: quadrant_atan2,
     aten.median.default: median_of_all,
     aten.median.dim: median_along,
     aten.kthvalue.default: kth_along,
