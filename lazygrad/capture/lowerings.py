@@ -15,9 +15,11 @@ into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
 `bucketize` or counts of smaller elements (`search_sorted`) and picks of a stable sort
-(`median_of_all`, `sorted_pick`); `atan2` into a form that keeps eager's quadrants at zeros,
-infinities and NaN (`quadrant_atan2`); and attention's `_safe_softmax` into one that finds its
-masked rows in one reduction (`safe_softmax`: a translation ORT runs in six passes);
+(`median_of_all`, `sorted_pick`); `atan2`, `logaddexp`, a one-sided `clamp` and `sign` into
+forms with eager's values at zeros, infinities and NaN, and beyond exp's range
+(`quadrant_atan2`, `stable_logaddexp`, `one_sided_clamp`, `sign_as_eager`); and attention's
+`_safe_softmax` into one that finds its masked rows in one reduction (`safe_softmax`: a
+translation ORT runs in six passes);
 `random_(low, high)` into the `randint` eager draws alike (`random_integers`); `max(dim)` of
 booleans into that of bytes (`boolean_maximum`); a broadcasting `copy` into one of its source
 expanded (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
@@ -505,20 +507,70 @@ def quadrant_atan2(self: torch.Tensor, other: torch.Tensor) -> object:
     takes the quadrant from `y > 0` and maps NaN to 0: a vector on the negative x-axis,
     (y, x) = (0, -1), got -pi where eager gives pi, a NaN came out 0, and signed zeros and two
     infinities lost their angles (eager: atan2(-0, -0) = -pi, atan2(inf, -inf) = 3 pi / 4).
-    Here the angle of (y, |x|), whose quotient keeps a zero's sign (two zeros: y / 1; an
-    infinity: the largest finite value), mirrored where x's sign bit is set. No selection
-    carries a value: ORT's Where returns -0.0 as 0.0 from its first branch. Its gradient stays
-    torch's formula."""
+    Here the angle of (y, |x|), whose quotient keeps a zero's sign (two zeros: y / 1; two
+    infinities: their signs'), mirrored where x's sign bit is set. ORT's Where returns -0.0 as
+    0.0 from its first branch (it merges the branches by `x != 0 ? x : y`): y stays in the
+    second. Its gradient stays torch's formula."""
     if not (self.is_floating_point() and other.is_floating_point()):
         return NotImplemented
-    largest = torch.finfo(self.dtype).max
+    infinite = self.isinf() & other.isinf()
     zeros = ((self == 0) & (other == 0)).to(self.dtype)
-    angle = torch.atan(self.clamp(-largest, largest)
-                       / (other.abs().clamp(max=largest) + zeros))
+    angle = torch.atan(torch.where(infinite, self.sign(), self)
+                       / torch.where(infinite, 1.0, other.abs() + zeros))
     mirrored = _sign_bit(other).to(angle.dtype)
     half_turn = torch.where(_sign_bit(self), angle.new_full((), -math.pi),
                             angle.new_full((), math.pi))
     return angle * (1 - 2 * mirrored) + half_turn * mirrored
+
+
+def one_sided_clamp(self: torch.Tensor, min: object = None, max: object = None) -> object:
+    """`clamp` by one bound as `maximum` or `minimum` with it: ONNX Runtime's Clip without one
+    bound clips to the type's largest finite value, so an infinity came out as 3.4e38 (65504
+    in float16) where eager keeps it: an overflow that GradScaler would have found and skipped
+    trained on as a finite number (`F.normalize` clamps its norms below). Both bounds, or
+    none: traced as it is."""
+    if not self.is_floating_point() or (min is None) == (max is None):
+        return NotImplemented
+    bound = min if min is not None else max
+    if not isinstance(bound, torch.Tensor):
+        bound = self.new_full((), bound)
+    elif bound.dtype != self.dtype:  # (the result's type is promoted: eager's op decides it)
+        return NotImplemented
+    return torch.maximum(self, bound) if min is not None else torch.minimum(self, bound)
+
+
+def clamp_below(self: torch.Tensor, min: object) -> object:
+    return one_sided_clamp(self, min=min)
+
+
+def clamp_above(self: torch.Tensor, max: object) -> object:
+    return one_sided_clamp(self, max=max)
+
+
+def stable_logaddexp(base: float) -> Callable[..., object]:
+    """`logaddexp` (`base` e) or `logaddexp2` (2) as eager's kernels compute them: the larger
+    plus the log of one plus the smaller's share, infinities of one sign themselves. torchlib
+    translates them as log(exp(a) + exp(b)), which overflows: `logaddexp(0, 100)` came out
+    infinite (eager: 100), and 2 ** -100 underflowed to nothing."""
+
+    def kernel(self: torch.Tensor, other: torch.Tensor) -> object:
+        if not (self.is_floating_point() and other.is_floating_point()):
+            return NotImplemented
+        gap = -(self - other).abs()
+        share = torch.log1p(torch.exp(gap)) if base == math.e \
+            else torch.log1p(torch.exp2(gap)) * (1 / math.log(2))
+        return torch.where(self.isinf() & (self == other), self,
+                           torch.maximum(self, other) + share)
+
+    return kernel
+
+
+def sign_as_eager(self: torch.Tensor) -> object:
+    """`sign` (and `sgn` of real numbers, which torch decomposes into it) as eager's kernel
+    computes it, (0 < x) - (x < 0): 0 for NaN, where ONNX's Sign gives NaN."""
+    if not self.is_floating_point():
+        return NotImplemented
+    return (self > 0).to(self.dtype) - (self < 0).to(self.dtype)
 
 
 def _sign_bit(x: torch.Tensor) -> torch.Tensor:
@@ -797,6 +849,15 @@ TABLE = {
     aten.topk.default: sorted_topk,
     aten.searchsorted.Tensor: search_sorted,
     aten.atan2.default: quadrant_atan2,
+    aten.clamp.default: one_sided_clamp,
+    aten.clamp.Tensor: one_sided_clamp,
+    aten.clamp_min.default: clamp_below,
+    aten.clamp_min.Tensor: clamp_below,
+    aten.clamp_max.default: clamp_above,
+    aten.clamp_max.Tensor: clamp_above,
+    aten.logaddexp.default: stable_logaddexp(math.e),
+    aten.logaddexp2.default: stable_logaddexp(2.0),
+    aten.sign.default: sign_as_eager,
     aten.median.default: median_of_all,
     aten.median.dim: median_along,
     aten.kthvalue.default: kth_along,
