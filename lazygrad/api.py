@@ -10,7 +10,6 @@ from typing import Any, TypeVar, overload
 import torch
 
 from lazygrad import attach, runtime
-from lazygrad.capture.private import traced_by_torch
 from lazygrad.options import SEGMENTS, Options
 from lazygrad.runtime import Runtime
 from lazygrad.stats import Stats
@@ -94,9 +93,7 @@ def _lazy_class(cls: type[M], options: Options) -> type[M]:
 
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if traced_by_torch():  # torch compiles, exports or transforms it: as a plain module
-            return attach.run_forward(self, *args, **kwargs)
-        return runtime_of(self)(args, kwargs)
+        return attach.call_lazily(runtime_of(self), args, kwargs)
 
     setattr(cls, attach.ORIGINAL_FORWARD, original)
     setattr(cls, attach.OPTIONS, options)

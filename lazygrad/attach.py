@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lazygrad.capture.private import in_checkpoint_region, traced_by_torch
+from lazygrad.capture.private import checkpoint_region, traced_by_torch
 
 RUNTIME = "_lazygrad_runtime"
 OPTIONS = "_lazygrad_options"
@@ -29,9 +29,7 @@ class LazyForward:
         self.runtime = runtime
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if traced_by_torch() or in_checkpoint_region():
-            return run_forward(self.runtime.module, *args, **kwargs)
-        return self.runtime(args, kwargs)
+        return call_lazily(self.runtime, args, kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -45,6 +43,18 @@ class LazyForward:
         """The code of the forward the calls run: torch.export (and the ONNX exporter on it)
         reads `module.forward.__code__` before it traces the call as a plain module's."""
         return forward_run_by(self.runtime.module).__code__
+
+
+def call_lazily(runtime: Any, args: tuple, kwargs: dict) -> Any:
+    """A lazy module's call: as a plain module where torch compiles, exports or transforms it;
+    inside a non-reentrant checkpoint region, the way the region's recomputation can repeat
+    (`Runtime.in_region`); else through its runtime."""
+    if traced_by_torch():
+        return run_forward(runtime.module, *args, **kwargs)
+    region = checkpoint_region()
+    if region is not None:
+        return runtime.in_region(region, args, kwargs)
+    return runtime(args, kwargs)
 
 
 def install(module: torch.nn.Module, runtime: Any) -> None:

@@ -14,9 +14,10 @@ build told to start at some other event (`submit`'s `start`). A build asked to r
 whose caller waits for it) starts the builds queued before it that still wait: that caller may be
 the very step they wait for.
 
-At exit, builds still queued are dropped and the one running is waited for: a daemon thread
-torn down inside ORT or torch's native code aborted the process ("terminate called without an
-active exception"), and a `ThreadPoolExecutor` would run every queued build first.
+At exit, builds still queued are dropped (by the exiting thread) and the one running is waited
+for: a daemon thread torn down inside ORT or torch's native code aborted the process
+("terminate called without an active exception"), and a `ThreadPoolExecutor` would run every
+queued build first.
 """
 
 from __future__ import annotations
@@ -73,7 +74,16 @@ def _work() -> None:
 def _close() -> None:
     _closing.set()
     turns.stop_waiting()
-    with _idle:  # the running build ends; queued ones are cancelled
+    # Queued builds are dropped here, on the exiting thread, before the interpreter finalizes:
+    # the builder thread, taking the next job, freed the last one's tensors after that began,
+    # and torch's deallocation, retaking the GIL, ended the thread inside C++ (the abort above).
+    dropped = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            dropped.append(_jobs.get_nowait())
+    for _, future, _ in dropped:
+        future.cancel()
+    with _idle:  # the running build ends
         pass
 
 

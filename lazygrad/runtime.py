@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import operator
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lazygrad import attach, builder, clock, disk_cache, generators, turns
+from lazygrad import attach, builder, clock, disk_cache, generators, regions, turns
 from lazygrad.capture import (
     Aliasing,
     Captured,
@@ -413,6 +414,7 @@ class Runtime:
             if signature.grad:
                 step = self._step(signature, entry, pair, env, device, number)
                 roots = LazyFunction.apply(step, *primals)
+                regions.served(self, functools.partial(self._replay, step, entry, env))
             else:
                 with self._lock:
                     found.stats.hits += 1
@@ -423,8 +425,35 @@ class Runtime:
             self._missed_check(signature, found.stats.hits,
                                f" (the last in ORT: {failed})" if str(failed) else "")
             return self._eager(args, kwargs)
+        return self._outputs(pair, entry, roots, primals, env)
+
+    def _outputs(self, pair: GraphPair, entry: SignatureEntry, roots: Any,
+                 primals: list[torch.Tensor], env: dict[str, int]) -> Any:
+        """The module's result from its graphs' roots."""
         outputs = pair.module_outputs(roots, primals, env)
         return self._written(entry.template.rebuild(outputs, pair.sizes_of(env)))
+
+    def in_region(self, region: tuple[Any, Any], args: tuple, kwargs: dict) -> Any:
+        """A call inside a non-reentrant checkpoint region (`private.checkpoint_region`): in its
+        forward, as any call, its way kept; in its recomputation, the way the forward ran it
+        (`regions.py`)."""
+        frame, recomputation = region
+        if recomputation is None:
+            with regions.forward_call(frame, self):
+                return self(args, kwargs)
+        replay = regions.recomputed_call(frame, recomputation)
+        if replay is None:
+            return self.forward_fn(self.module, *args, **kwargs)
+        return replay(args, kwargs)
+
+    def _replay(self, step: Step, entry: SignatureEntry, env: dict[str, int], args: tuple,
+                kwargs: dict) -> Any:
+        """A region call's step run again on the recomputation's inputs."""
+        with self._lock:
+            state = self._state.read()[0]
+        primals = [*state.values(), *flatten_call(args, kwargs).tensors]
+        roots = LazyFunction.apply(step, *primals)
+        return self._outputs(step.pair, entry, roots, primals, env)
 
     def _missed_check(self, signature: Signature, hits: int, last: str) -> None:
         """A call that its graph's checks refuse (or would: a first call whose top-k or median

@@ -425,6 +425,45 @@ def test_a_reentrant_checkpoint_is_captured_with_eagers_semantics():
         assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
 
 
+@lazygrad.lazy(wait_for_builds=True)
+class LazyBlock(torch.nn.Sequential):
+    """A lazy class of layers, as a user makes the layers of a model lazy."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("made_lazy", ["instances", "class"])
+def test_lazy_layers_inside_checkpointed_regions_run_through_ort_recomputed_alike(made_lazy):
+    """Layers made lazy, which the model checkpoints (`use_reentrant=False`, as transformers'
+    `gradient_checkpointing_enable()`): torch requires a region's recomputation to save what
+    its forward saved. A lazy instance there ran as its plain self, silently, nothing through
+    ORT; a lazy class crashed the first backward (`CheckpointError`: its first call ran
+    eagerly behind a probe whose backward built its graphs, and the recomputation, later in
+    that backward, ran through ORT). The recomputation now runs each call the way its forward
+    did (`regions.py`): outputs and gradients eager's (dropout's draws the same), the layers
+    through ORT from the second step, and no more saved outside the regions than eager."""
+    x = torch.randn(4, 16, 32)
+    torch.manual_seed(0)
+    eager = CheckpointedNet(True)
+    lazy = copy.deepcopy(eager)
+    for index, block in enumerate(lazy.blocks):
+        lazy.blocks[index] = lazygrad.lazy(block, wait_for_builds=True) \
+            if made_lazy == "instances" else LazyBlock(*block)
+    for step in range(3):
+        torch.manual_seed(step)
+        got, saved = stash_step(lazy, x)
+        torch.manual_seed(step)
+        want, eager_saved = stash_step(eager, x)
+        assert_close(got, want, f"output, step {step}")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        assert saved == eager_saved, step
+    for block in lazy.blocks:
+        stats = lazygrad.stats(block)
+        assert stats.hits == 2 and stats.fallbacks == 0, stats
+        assert stats.builds + stats.disk_hits == 1, stats  # (the blocks' graphs are alike)
+
+
 def test_the_users_saved_tensor_hooks_keep_what_they_packed():
     """`torch.autograd.graph.save_on_cpu` (and any saved-tensor hooks, as activation
     compression): lazygrad's backward dropped its stash's references by hooking each saved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import itertools
 import logging
 import os
@@ -59,19 +60,23 @@ def traced_by_torch() -> bool:
             or torch._C._len_torch_dispatch_stack() > 0)
 
 
-def in_checkpoint_region() -> bool:
-    """Whether this call runs inside a non-reentrant `torch.utils.checkpoint` region, in its
-    forward or in its recomputation (its saved-tensor hooks are the innermost). torch compares
-    the tensors the recomputation saves with those the forward saved, so a lazy module there
-    must run alike both times, which it cannot promise: a first call runs eagerly behind a probe,
-    and if its graphs are built by the recomputation (the probe's backward builds them, in the
-    same backward), the recomputation ran through ORT, and torch refused the difference: the
-    step crashed. Inside a region a lazy module runs as its plain self."""
+def checkpoint_region() -> tuple[Any, Any] | None:
+    """The non-reentrant `torch.utils.checkpoint` region this call runs in (its saved-tensor
+    hooks are the innermost): (the region's frame, None) in its forward, (the frame, the id of
+    the backward that recomputes it) in its recomputation; None outside a region. Read from
+    the closures of the hooks torch puts there (`_checkpoint_hook`, `_recomputation_hook`)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
-        return False
+        return None
     owner = getattr(hooks[0], "__qualname__", "").partition(".")[0]
-    return owner in ("_checkpoint_hook", "_recomputation_hook")
+    if owner not in ("_checkpoint_hook", "_recomputation_hook"):
+        return None
+    pack = inspect.unwrap(hooks[0])
+    cells = {name: cell.cell_contents
+             for name, cell in zip(pack.__code__.co_freevars, pack.__closure__ or ())}
+    if owner == "_checkpoint_hook":
+        return cells["frame"], None
+    return cells["target_frame_ref"](), cells["gid"]
 
 
 @contextlib.contextmanager
@@ -385,7 +390,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "onnx_registration": ("torch.onnx._internal.exporter._registration", None),
 }
 
-__all__ = ["compiling", "in_checkpoint_region", "recurrent_layers_as_eager",
+__all__ = ["compiling", "checkpoint_region", "recurrent_layers_as_eager",
            "checkpoints_recomputed", "float64_numbers", "composite_kernels", "in_backward",
            "queue_at_backward_end", "release_saved_tensors", "storage_id", "set_versions",
            "replay_view", *_LAZY]
