@@ -944,6 +944,14 @@ SPECIAL_VALUE_OPS = {
     "clamp_max": lambda y, x: y.clamp_max(-0.5) + torch.clamp(y, min=x),
     # ONNX's Sign of NaN is NaN, eager's 0
     "sign": lambda y, x: y.sign() * x + torch.sgn(y),
+    # no translation (signbit, prims): the module ran in parts. Not tested: the sign bit of a
+    # NaN (ONNX cannot read it: signbit(-nan) is False), the sign of a zero that fmax or fmin
+    # picks between 0.0 and -0.0 (ORT's Max's choice; `+ 0` makes both 0.0)
+    "copysign": lambda y, x: torch.copysign(y, x.nan_to_num()) + torch.copysign(y, -2.0),
+    "signbit": lambda y, x: y * torch.signbit(x.nan_to_num()),
+    "fmax": lambda y, x: torch.fmax(y, x) + 0,
+    "fmin": lambda y, x: torch.fmin(y, x) + 0,
+    "hypot": torch.hypot,
 }
 
 

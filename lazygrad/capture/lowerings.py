@@ -17,7 +17,9 @@ and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks
 `bucketize` or counts of smaller elements (`search_sorted`) and picks of a stable sort
 (`median_of_all`, `sorted_pick`); `atan2`, `logaddexp`, a one-sided `clamp` and `sign` into
 forms with eager's values at zeros, infinities and NaN, and beyond exp's range
-(`quadrant_atan2`, `stable_logaddexp`, `one_sided_clamp`, `sign_as_eager`); and attention's
+(`quadrant_atan2`, `stable_logaddexp`, `one_sided_clamp`, `sign_as_eager`), and `copysign`,
+`signbit`, `fmax`, `fmin` and `hypot`, which ONNX lacks, into forms with eager's values there
+too (`signed_copy`, `sign_bit`, `ignoring_nan`, `scaled_hypot`); and attention's
 `_safe_softmax` into one that finds its masked rows in one reduction (`safe_softmax`: a
 translation ORT runs in six passes);
 `random_(low, high)` into the `randint` eager draws alike (`random_integers`); `max(dim)` of
@@ -573,6 +575,47 @@ def sign_as_eager(self: torch.Tensor) -> object:
     return (self > 0).to(self.dtype) - (self < 0).to(self.dtype)
 
 
+def signed_copy(self: torch.Tensor, other: object) -> object:
+    """`copysign(a, b)` as |a| times b's sign, its sign bit read arithmetically. torch
+    decomposes it through `signbit`, which ONNX lacks (the module ran in parts), into a
+    selection that would carry -0.0 in ORT's Where's first branch (dropped there)."""
+    if not self.is_floating_point():
+        return NotImplemented
+    if not isinstance(other, torch.Tensor):
+        other = self.new_full((), other)
+    return self.abs() * (1 - 2 * _sign_bit(other).to(self.dtype))
+
+
+def sign_bit(self: torch.Tensor) -> object:
+    """`signbit`, which ONNX lacks: negative or -0.0 (`_sign_bit`)."""
+    return _sign_bit(self) if self.is_floating_point() else NotImplemented
+
+
+def ignoring_nan(pick: Callable[..., torch.Tensor]) -> Callable[..., object]:
+    """`fmax` (`pick` maximum) or `fmin` (minimum): the other value where one is NaN. torch
+    decomposes them into prims that ONNX lacks (the module ran in parts)."""
+
+    def kernel(self: torch.Tensor, other: torch.Tensor) -> object:
+        if not (self.is_floating_point() and other.is_floating_point()):
+            return NotImplemented
+        return pick(torch.where(self.isnan(), other, self), torch.where(other.isnan(), self, other))
+
+    return kernel
+
+
+def scaled_hypot(self: torch.Tensor, other: torch.Tensor) -> object:
+    """`hypot`, which ONNX lacks (torch decomposes it into a prim): the larger magnitude times
+    sqrt(1 + ratio^2), which neither overflows nor underflows where the squares would (as C's
+    `hypot`); an infinity's is infinite, NaN beside it included."""
+    if not (self.is_floating_point() and other.is_floating_point()):
+        return NotImplemented
+    x, y = self.abs(), other.abs()
+    larger = torch.maximum(x, y)
+    ratio = torch.minimum(x, y) / torch.where(larger == 0, 1.0, larger)
+    result = larger * torch.sqrt(1 + ratio * ratio)
+    return torch.where(x.isinf() | y.isinf(), math.inf, result)
+
+
 def _sign_bit(x: torch.Tensor) -> torch.Tensor:
     """Whether `x` is negative, -0.0 included (1 / -0.0 is -inf); NaN's is False."""
     return (x < 0) | ((x == 0) & (x.reciprocal() < 0))
@@ -858,6 +901,12 @@ TABLE = {
     aten.logaddexp.default: stable_logaddexp(math.e),
     aten.logaddexp2.default: stable_logaddexp(2.0),
     aten.sign.default: sign_as_eager,
+    aten.copysign.Tensor: signed_copy,
+    aten.copysign.Scalar: signed_copy,
+    aten.signbit.default: sign_bit,
+    aten.fmax.default: ignoring_nan(torch.maximum),
+    aten.fmin.default: ignoring_nan(torch.minimum),
+    aten.hypot.default: scaled_hypot,
     aten.median.default: median_of_all,
     aten.median.dim: median_along,
     aten.kthvalue.default: kth_along,
