@@ -505,8 +505,8 @@ _PICKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
 
 
 # function -> the check of its index arguments (a top-k's, a median's: of its picks), from the
-# call's (args, kwargs), or None. Not
-# `index_fill`, `take_along_dim` and indexing (`x[rows]`), which take -1 from the end in eager.
+# call's (args, kwargs), or None. Not `index_fill`, `take_along_dim` and indexing (`x[rows]`),
+# which take -1 from the end in eager.
 _CHECKS: dict[Any, Callable[[tuple, dict], torch.Tensor | None]] = {
     F.embedding: lambda a, k: _in_range(a[0], (a[1] if len(a) > 1 else k["weight"]).shape[0]),
     torch.embedding: lambda a, k: _in_range(a[1], a[0].shape[0]),

@@ -21,10 +21,10 @@ forms with eager's values at zeros, infinities and NaN, and beyond exp's range
 `signbit`, `fmax`, `fmin` and `hypot`, which ONNX lacks, into forms with eager's values there
 too (`signed_copy`, `sign_bit`, `ignoring_nan`, `scaled_hypot`); and attention's
 `_safe_softmax` into one that finds its masked rows in one reduction (`safe_softmax`: a
-translation ORT runs in six passes);
-`random_(low, high)` into the `randint` eager draws alike (`random_integers`); `max(dim)` of
-booleans into that of bytes (`boolean_maximum`); a broadcasting `copy` into one of its source
-expanded (`broadcast_copy`); RReLU out of training into its leaky ReLU (`rrelu_in_eval`);
+translation ORT runs in six passes); `random_(low, high)` into the `randint` eager draws alike
+(`random_integers`); `max(dim)` of booleans into that of bytes (`boolean_maximum`); a
+broadcasting `copy` into one of its source expanded (`broadcast_copy`); RReLU out of training
+into its leaky ReLU (`rrelu_in_eval`);
 `masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`);
 `masked_select` into an index by `nonzero` (`masked_select`); `expm1` and
 `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
@@ -549,8 +549,8 @@ def clamp_above(self: torch.Tensor, max: object) -> object:
     return one_sided_clamp(self, max=max)
 
 
-def stable_logaddexp(base: float) -> Callable[..., object]:
-    """`logaddexp` (`base` e) or `logaddexp2` (2) as eager's kernels compute them: the larger
+def stable_logaddexp(base_two: bool) -> Callable[..., object]:
+    """`logaddexp` or (`base_two`) `logaddexp2` as eager's kernels compute them: the larger
     plus the log of one plus the smaller's share, infinities of one sign themselves. torchlib
     translates them as log(exp(a) + exp(b)), which overflows: `logaddexp(0, 100)` came out
     infinite (eager: 100), and 2 ** -100 underflowed to nothing."""
@@ -559,8 +559,8 @@ def stable_logaddexp(base: float) -> Callable[..., object]:
         if not (self.is_floating_point() and other.is_floating_point()):
             return NotImplemented
         gap = -(self - other).abs()
-        share = torch.log1p(torch.exp(gap)) if base == math.e \
-            else torch.log1p(torch.exp2(gap)) * (1 / math.log(2))
+        share = torch.log1p(torch.exp2(gap)) * (1 / math.log(2)) if base_two \
+            else torch.log1p(torch.exp(gap))
         return torch.where(self.isinf() & (self == other), self,
                            torch.maximum(self, other) + share)
 
@@ -898,8 +898,8 @@ TABLE = {
     aten.clamp_min.Tensor: clamp_below,
     aten.clamp_max.default: clamp_above,
     aten.clamp_max.Tensor: clamp_above,
-    aten.logaddexp.default: stable_logaddexp(math.e),
-    aten.logaddexp2.default: stable_logaddexp(2.0),
+    aten.logaddexp.default: stable_logaddexp(base_two=False),
+    aten.logaddexp2.default: stable_logaddexp(base_two=True),
     aten.sign.default: sign_as_eager,
     aten.copysign.Tensor: signed_copy,
     aten.copysign.Scalar: signed_copy,
