@@ -7,15 +7,17 @@ another way the second time: a first call runs in eager PyTorch behind a probe w
 builds its graphs (in that same backward, before the recomputation), and a forecast may plan
 another mask for the next call. A lazy class under checkpointing crashed the backward
 (`CheckpointError`: recomputed tensors of other shapes), and a lazy instance in a region ran as
-its plain self, silently: layers made lazy and checkpointed (`gradient_checkpointing_enable()`
-with `use_reentrant=False`) ran nothing through ORT.
+its plain self, silently: layers made lazy that the caller checkpoints
+(`checkpoint(layer, x, use_reentrant=False)`, `checkpoint_sequential`, transformers 4's
+`gradient_checkpointing_enable()`) ran nothing through ORT. (transformers 5 checkpoints inside
+a layer's own forward: a lazy layer there traces the region, as a lazy model does.)
 
 So each lazy call in a region's forward takes a slot in the region's frame, in the order the
 calls start (an outer call before the parts it calls), and the call fills it where ORT served
-it (`served`): with how to run the same step again. The recomputation's lazy calls take the
-slots in the same order (`recomputed_call`): the same step on the recomputed inputs (torch
-restores the generator first, so its draws are the forward's), or, where the forward ran in
-eager PyTorch for whatever reason, the module's plain forward.
+it (`serving`, `served`): with how to run the same step again. The recomputation's lazy calls
+take the slots in the same order (`recomputed_call`): the same step on the recomputed inputs
+(torch restores the generator first, so its draws are the forward's), or, where the forward ran
+in eager PyTorch for whatever reason, the module's plain forward.
 """
 
 from __future__ import annotations
@@ -47,13 +49,18 @@ def forward_call(frame: Any, runtime: object) -> Iterator[None]:
         running.pop()
 
 
-def served(runtime: object, replay: Replay) -> None:
-    """`runtime`'s call ran through ORT: if it is the innermost region call on this thread,
-    its recomputation runs `replay`."""
+def serving(runtime: object) -> bool:
+    """Whether `runtime`'s call is the innermost region call on this thread: the way it runs
+    is kept (`served`). Asked first, so that a call outside any region makes no replay."""
     running = getattr(_open, "calls", None)
-    if running and running[-1][2] is runtime:
-        calls, index, _ = running[-1]
-        calls[index] = replay
+    return bool(running) and running[-1][2] is runtime
+
+
+def served(replay: Replay) -> None:
+    """The innermost region call on this thread ran through ORT (`serving`): its
+    recomputation runs `replay`."""
+    calls, index, _ = _open.calls[-1]
+    calls[index] = replay
 
 
 def recomputed_call(frame: Any, recomputation: object) -> Replay | None:

@@ -414,7 +414,8 @@ class Runtime:
             if signature.grad:
                 step = self._step(signature, entry, pair, env, device, number)
                 roots = LazyFunction.apply(step, *primals)
-                regions.served(self, functools.partial(self._replay, step, entry, env))
+                if regions.serving(self):
+                    regions.served(functools.partial(self._replay, step, entry, env))
             else:
                 with self._lock:
                     found.stats.hits += 1

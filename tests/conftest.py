@@ -255,6 +255,23 @@ def stash_step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, i
     return out.detach(), saved[0]
 
 
+def stash_steps_like_eager(lazy: torch.nn.Module, eager: torch.nn.Module, x: torch.Tensor,
+                           what: str = "", steps: int = 3) -> list[tuple[int, int]]:
+    """`steps` steps of `lazy` and `eager` on `x` (`stash_step`, the generator seeded alike for
+    both), each step's output and gradients eager's: the bytes each step saved, (lazy's,
+    eager's)."""
+    saved = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        got, lazy_saved = stash_step(lazy, x)
+        torch.manual_seed(step)
+        want, eager_saved = stash_step(eager, x)
+        assert_close(got, want, f"{what}output, step {step}")
+        assert_grads_equal(lazy, eager, f"{what}step {step}")
+        saved.append((lazy_saved, eager_saved))
+    return saved
+
+
 def run_onnx_as_written(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     """`model` run once by ORT's CPU provider with its graph optimisations off: the graph a
     rewrite made, not ORT's own rewrite of it."""

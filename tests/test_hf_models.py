@@ -274,6 +274,40 @@ def test_bert_with_gradient_checkpointing_runs_whole_and_saves_what_eager_saves(
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2, stats.reasons
 
 
+def test_bert_layers_made_lazy_under_gradient_checkpointing_run_through_ort_like_eager():
+    """The layers of a Hugging Face BERT made lazy, which the model checkpoints
+    (`gradient_checkpointing_enable()`, non-reentrant; dropout 0.1), as a user who makes a
+    model's layers lazy does. transformers 5 checkpoints inside each layer's own forward, so
+    each lazy layer traces its region (the checkpoint of a lazy module called from outside:
+    `tests/test_memory_paths.py`). Losses and gradients eager's (the recomputation's dropout
+    draws the forward's), every layer through ORT from step 2."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64)
+    eager = transformers.BertForMaskedLM(config).train()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lazy = copy.deepcopy(eager)
+    for layer in lazy.bert.encoder.layer:
+        lazygrad.lazy(layer, wait_for_builds=True)
+    ids = torch.randint(1, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        warnings.simplefilter("error", lazygrad.GraphBreakWarning)
+        for step in range(3):
+            losses = []
+            for m in (lazy, eager):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                losses.append(m(input_ids=ids, labels=ids).loss)
+                losses[-1].backward()
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+            _assert_grads_match(lazy, eager, f"step {step}")
+    for layer in lazy.bert.encoder.layer:
+        stats = lazygrad.stats(layer)
+        assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0, stats
+
+
 class TakesACache(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

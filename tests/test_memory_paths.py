@@ -19,7 +19,7 @@ from conftest import (
     assert_close,
     assert_grads_equal,
     assert_loss_step_like_eager,
-    stash_step,
+    stash_steps_like_eager,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -384,13 +384,8 @@ def test_activation_checkpointing_keeps_its_memory_saving_through_ort():
         torch.manual_seed(0)
         eager = CheckpointedNet(checkpointed)
         lazy = lazygrad.lazy(copy.deepcopy(eager))
-        for step in range(3):
-            torch.manual_seed(step)
-            got, saved[checkpointed, "lazy"] = stash_step(lazy, x)
-            torch.manual_seed(step)
-            want, saved[checkpointed, "eager"] = stash_step(eager, x)
-            assert_close(got, want, f"output, step {step}")
-            assert_grads_equal(lazy, eager, f"checkpointed={checkpointed}, step {step}")
+        steps = stash_steps_like_eager(lazy, eager, x, f"checkpointed={checkpointed}, ")
+        saved[checkpointed, "lazy"], saved[checkpointed, "eager"] = steps[-1]
         stats = lazygrad.stats(lazy)
         assert stats.hits == 2 and stats.fallbacks == 0 and stats.breaks == 0
     activation = x.numel() * 4
@@ -435,14 +430,15 @@ class LazyBlock(torch.nn.Sequential):
 
 @pytest.mark.parametrize("made_lazy", ["instances", "class"])
 def test_lazy_layers_inside_checkpointed_regions_run_through_ort_recomputed_alike(made_lazy):
-    """Layers made lazy, which the model checkpoints (`use_reentrant=False`, as transformers'
-    `gradient_checkpointing_enable()`): torch requires a region's recomputation to save what
-    its forward saved. A lazy instance there ran as its plain self, silently, nothing through
-    ORT; a lazy class crashed the first backward (`CheckpointError`: its first call ran
-    eagerly behind a probe whose backward built its graphs, and the recomputation, later in
-    that backward, ran through ORT). The recomputation now runs each call the way its forward
-    did (`regions.py`): outputs and gradients eager's (dropout's draws the same), the layers
-    through ORT from the second step, and no more saved outside the regions than eager."""
+    """Layers made lazy, which the model checkpoints (`use_reentrant=False`, as transformers
+    4's `gradient_checkpointing_enable()` called its layers): torch requires a region's
+    recomputation to save what its forward saved. A lazy instance there ran as its plain self,
+    silently, nothing through ORT; a lazy class crashed the first backward (`CheckpointError`:
+    its first call ran eagerly behind a probe whose backward built its graphs, and the
+    recomputation, later in that backward, ran through ORT). The recomputation now runs each
+    call the way its forward did (`regions.py`): outputs and gradients eager's (dropout's draws
+    the same), the layers through ORT from the second step, and no more saved outside the
+    regions than eager."""
     x = torch.randn(4, 16, 32)
     torch.manual_seed(0)
     eager = CheckpointedNet(True)
@@ -450,13 +446,7 @@ def test_lazy_layers_inside_checkpointed_regions_run_through_ort_recomputed_alik
     for index, block in enumerate(lazy.blocks):
         lazy.blocks[index] = lazygrad.lazy(block, wait_for_builds=True) \
             if made_lazy == "instances" else LazyBlock(*block)
-    for step in range(3):
-        torch.manual_seed(step)
-        got, saved = stash_step(lazy, x)
-        torch.manual_seed(step)
-        want, eager_saved = stash_step(eager, x)
-        assert_close(got, want, f"output, step {step}")
-        assert_grads_equal(lazy, eager, f"step {step}")
+    for step, (saved, eager_saved) in enumerate(stash_steps_like_eager(lazy, eager, x)):
         assert saved == eager_saved, step
     for block in lazy.blocks:
         stats = lazygrad.stats(block)
