@@ -7,7 +7,8 @@ warm-up (its graphs built). `--ablate` adds lazygrad peers built without the pee
 constant folded, whatever its size), with ORT's threads never spinning (session.py: they spin
 within a run by default), with selections of zeros left ORT's Where (capture/zero_where.py),
 with the backward's `exp(log_softmax)` left two passes (peephole.softmax_for_exp), with the
-outputs an Identity copies left copies (capture/identity_outputs.py), with ORT's CPU memory
+outputs an Identity copies left copies (capture/identity_outputs.py), with a loss's ignored rows
+computed in its backward (capture/ignored_rows.py), with ORT's CPU memory
 arena (session.py) and with layer-wise recomputation (`recompute_layers`, capture/layers.py:
 its cost), so each one's effect is measured in the same rounds as the rest, under the same
 load. The load average is printed
@@ -29,7 +30,7 @@ import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
 from lazygrad import session
-from lazygrad.capture import identity_outputs, peephole, zero_where
+from lazygrad.capture import identity_outputs, ignored_rows, peephole, zero_where
 
 # peer -> (what its graphs are built without, its options to lazygrad.lazy)
 ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
@@ -39,6 +40,7 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, Where kept": (("zero where",), {}),
     "lazygrad, exp of log-softmax": (("softmax",), {}),
     "lazygrad, Identity copies": (("identity outputs",), {}),
+    "lazygrad, ignored rows computed": (("ignored rows",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
 }
@@ -50,9 +52,10 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
     the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; "zero
     where": no selection of zeros made a product, for the sessions made in the block; "softmax":
     the peephole rule `softmax_for_exp`; "identity outputs": an output an Identity copies stays
-    a copy)."""
+    a copy; "ignored rows": a loss's ignored rows computed in its backward)."""
     rules, cap, spinning = peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING
     smallest, sourced = zero_where.SMALLEST, identity_outputs.made_by_their_source
+    skipping = ignored_rows.rewrite
     if "peephole" in parts:
         peephole.RULES = []
     if "softmax" in parts:
@@ -65,11 +68,14 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
         session.SPINNING = "off"
     if "zero where" in parts:
         zero_where.SMALLEST = 1 << 62
+    if "ignored rows" in parts:
+        ignored_rows.rewrite = lambda gm: 0
     try:
         yield
     finally:
         peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING = rules, cap, spinning
         zero_where.SMALLEST, identity_outputs.made_by_their_source = smallest, sourced
+        ignored_rows.rewrite = skipping
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:

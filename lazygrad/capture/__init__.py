@@ -32,10 +32,12 @@ from lazygrad.capture import (
     gelu,
     head,
     identity_outputs,
+    ignored_rows,
     layers,
     node_order,
     partition,
     peephole,
+    private,
     python_random,
     reshaped_outputs,
     segment,
@@ -229,6 +231,13 @@ def capture(
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 peephole.rewrite(gm)
+        if tidied.backward is not None:
+            feeds = zip(partition.placeholders(tidied.backward), tidied.backward_feeds,
+                        strict=True)
+            ignored_rows.rewrite(tidied.backward, {
+                node.name: primals[feed.index] for node, feed in feeds
+                if feed.kind == "primal" and not isinstance(primals[feed.index],
+                                                            private.FakeTensor)})
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph

@@ -1,0 +1,260 @@
+"""Stage 3c: a loss's ignored rows left out of its backward's products.
+
+Cross-entropy with an `ignore_index` (masked-language-model labels, -100 wherever a token is
+not masked, 85% of a BERT batch; a causal LM's padding) gives the ignored rows of its logits'
+gradient no weight. After `peephole.py` that gradient is `scatter_add(softmax(x) * -r, 1, i, r)`
+with `r = where(kept, w, 0)` (times a number), one weight per row, so a row not kept is
+`softmax(x_row) * 0`: zeros where the row is finite. The head's backward then ran every row
+through a softmax, two products as large as the forward's and a sum: on a vocabulary head the
+largest part of the backward, and its peak (two logits-sized buffers).
+
+Here the kept rows are picked (`nonzero`, their number each call's: a size the graph computes),
+the gradient is computed for them alone, and each reader of the full gradient is given what it
+computed from it, where the rows not kept add nothing:
+
+- `mm(g, w)` (the logits' input's gradient): the picked rows' product, written into zeros at
+  their rows (a zero row of `g` times `w` is zero);
+- `mm(g.t(), y)` (the weight's gradient): the product of the picked rows of `g` and `y`, the
+  same sum over rows without its zero terms;
+- `sum(g, leading dims)` (the bias's gradient): the sum of the picked rows.
+
+A reader that is anything else leaves the graph as it is, and so does a loss whose kept rows
+are not known to be few: the picking reads the logits twice more (a copy of the kept rows, a sum
+for the check below), which pays where most rows are ignored and costs a logits-sized copy at
+the backward's peak where few are (a causal LM's shifted labels ignore one position a
+sequence). So the rewrite is made where the first call's labels, an input of the call, kept at
+most `KEPT_AT_MOST` of the rows; a later call keeping more is computed right, only slower.
+
+The values are the same up to the
+order of the sums' roundings and the sign of a zero. Where a row not kept is not finite (an
+overflow in float16), eager's gradient is NaN there and in every product it reaches (0 * inf);
+so where `sum(x)` is not finite every row is picked, and that call's gradient is the dense one.
+Not a gradient formula: the derivatives are the partition's, this only skips terms known zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from lazygrad.capture import private
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten.alias.default, aten.detach.default}
+KEPT_AT_MOST = 0.5  # of the rows, in the first call, for the rewrite to be made
+
+
+def rewrite(gm: fx.GraphModule, examples: Mapping[str, torch.Tensor]) -> int:
+    """Apply to every cross-entropy gradient of `gm` (a backward) whose readers allow it and
+    whose first call kept few rows, in place; how many. `examples`: the first call's values of
+    the graph's inputs that are the call's own inputs, by placeholder name."""
+    fired = 0
+    for node in list(gm.graph.nodes):
+        if node.graph is gm.graph and node.target is aten.scatter_add.default:
+            fired += _skip_ignored_rows(gm.graph, node, examples)
+    if fired:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return fired
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _known(condition: Any) -> bool:
+    """What the trace knows of sizes, never an assumption added."""
+    return bool(private.statically_known_true(condition))
+
+
+def _through_aliases(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.alias.default):
+        node = node.args[0]
+    return node
+
+
+def _kept_rows(weight: Any) -> fx.Node | None:
+    """`kept` where `weight` is `where(kept, w, 0)`, times a number or not: zero off `kept`."""
+    if isinstance(weight, fx.Node) and weight.target is aten.mul.Tensor and not weight.kwargs:
+        numbers = [a for a in weight.args if isinstance(a, (int, float))]
+        nodes = [a for a in weight.args if isinstance(a, fx.Node)]
+        if len(numbers) == 1 and len(nodes) == 1:
+            weight = nodes[0]
+    if not isinstance(weight, fx.Node) or weight.target is not aten.where.self:
+        return None
+    kept, _, zero = weight.args
+    is_zero = zero == 0 if isinstance(zero, (int, float)) else (
+        isinstance(zero, fx.Node) and zero.target is aten.scalar_tensor.default
+        and zero.args[0] == 0)
+    kept_val, weight_val = _val(kept), _val(weight)
+    if not is_zero or kept_val is None or kept_val.dtype != torch.bool \
+            or kept_val.shape != weight_val.shape:
+        return None
+    return kept
+
+
+def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """(logits, row weight, targets, kept) of `scatter_add(softmax(x, 1) * -r, 1, i, r)`."""
+    if node.kwargs or len(node.args) != 4:
+        return None
+    product, dim, index, weight = node.args
+    out = _val(node)
+    if out is None or out.dim() != 2 or dim % 2 != 1 or not isinstance(product, fx.Node) \
+            or product.target is not aten.mul.Tensor or product.kwargs:
+        return None
+    for probabilities, negated in (product.args, reversed(product.args)):
+        probabilities = _through_aliases(probabilities)
+        if not (isinstance(probabilities, fx.Node) and isinstance(negated, fx.Node)
+                and probabilities.target is aten._softmax.default
+                and negated.target is aten.neg.default and negated.args[0] is weight):
+            continue
+        logits, softmax_dim, half_to_float = probabilities.args
+        kept = _kept_rows(weight)
+        rows = _val(weight)
+        if kept is None or half_to_float or softmax_dim % 2 != 1 or rows.dim() != 2 \
+                or not _known(rows.shape[1] == 1) or _val(logits).shape != out.shape:
+            return None
+        return logits, weight, index, kept
+    return None
+
+
+def _kept_share(kept: fx.Node, examples: Mapping[str, torch.Tensor]) -> float | None:
+    """The share of rows `kept` kept in the first call, where it is computed from one input of
+    the call by ops of one tensor each (`labels.view(-1).unsqueeze(1) != -100`); else None."""
+    chain = []
+    node = kept
+    while node.op != "placeholder":
+        inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+        if node.op != "call_function" or len(inputs) != 1 or inputs[0] not in node.args:
+            return None
+        chain.append(node)
+        node = inputs[0]
+    value = examples.get(node.name)
+    if value is None:
+        return None
+    for step in reversed(chain):
+        args = [value if isinstance(a, fx.Node) else a for a in step.args]
+        value = step.target(*args, **step.kwargs)
+    return float(value.float().mean()) if value.numel() else None
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:]) == [0, 1]
+    return node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
+
+
+def _readers(gradient: fx.Node) -> list[tuple[str, fx.Node, fx.Node]] | None:
+    """(kind, the view read, the reader) for every reader of `gradient`, through views that
+    keep its rows (the last dimension kept, the leading ones merged or split), if each is a
+    product or a sum over rows; None if one is not."""
+    rows, width = _val(gradient).shape
+    found = []
+    pending = [gradient]
+    while pending:
+        read = pending.pop()
+        shape = _val(read).shape
+        for user in read.users:
+            value = _val(user)
+            if user.target in _VIEWS and value is not None and value.dim() >= 1 \
+                    and _known(value.shape[-1] == width) \
+                    and _known(value.numel() == rows * width):
+                pending.append(user)
+            elif user.target is aten.mm.default and user.args[0] is read and len(shape) == 2:
+                found.append(("product", read, user))
+            elif len(shape) == 2 and _is_transpose(user) and user.users and all(
+                    u.target is aten.mm.default and u.args[0] is user
+                    and _known(_val(u.args[1]).shape[0] == rows) for u in user.users):
+                found.extend(("weight", read, u) for u in user.users)
+            elif user.target is aten.sum.dim_IntList and not user.kwargs and \
+                    sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):
+                found.append(("sum", read, user))
+            else:
+                return None
+    return found
+
+
+class _Maker:
+    """New nodes with their values' metadata, computed on the graph's fake tensors."""
+
+    def __init__(self, graph: fx.Graph, like: fx.Node) -> None:
+        self.graph = graph
+        self.fake_mode = private.detect_fake_mode([_val(like)])
+
+    def __call__(self, before: fx.Node, target: Any, *args: Any) -> fx.Node:
+        with self.graph.inserting_before(before):
+            made = self.graph.call_function(target, args)
+        with self.fake_mode:
+            made.meta["val"] = target(*pytree.tree_map(_val, args))
+        if "custom" in before.meta:
+            made.meta["custom"] = before.meta["custom"]
+        return made
+
+    def size(self, before: fx.Node, node: fx.Node, dim: int) -> Any:
+        """`node`'s size `dim`: a number, or a node computing it where it is a symbol."""
+        size = _val(node).shape[dim]
+        if isinstance(size, int):
+            return size
+        with self.graph.inserting_before(before):
+            made = self.graph.call_function(aten.sym_size.int, (node, dim))
+        made.meta["val"] = size
+        return made
+
+
+def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
+                       examples: Mapping[str, torch.Tensor]) -> int:
+    matched = _match(gradient)
+    readers = _readers(gradient) if matched is not None else None
+    if not readers:
+        return 0
+    logits, weight, index, kept = matched
+    share = _kept_share(kept, examples)
+    if share is None or share > KEPT_AT_MOST:
+        return 0
+    make = _Maker(graph, logits)
+    if make.fake_mode is None or make.fake_mode.shape_env is None:
+        return 0  # no symbols here to count the picked rows with
+    flat = make(gradient, aten.view.default, kept, [-1])
+    overflow = make(gradient, aten.logical_not.default,
+                    make(gradient, aten.isfinite.default, make(gradient, aten.sum.default, logits)))
+    picked = make(gradient, aten.nonzero.default,
+                  make(gradient, aten.logical_or.default, flat, overflow))
+    bindings = private.compute_unbacked_bindings(make.fake_mode.shape_env, _val(picked))
+    if bindings:
+        picked.meta["unbacked_bindings"] = bindings
+    rows = make(gradient, aten.view.default, picked, [-1])
+
+    def pick(before: fx.Node, node: fx.Node) -> fx.Node:
+        return make(before, aten.index_select.default, node, 0, rows)
+
+    row_weight = pick(gradient, weight)
+    probabilities = make(gradient, aten._softmax.default, pick(gradient, logits), 1, False)
+    scaled = make(gradient, aten.mul.Tensor, probabilities,
+                  make(gradient, aten.neg.default, row_weight))
+    picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
+                           row_weight)
+    for kind, _, reader in readers:
+        if kind == "product":
+            product = make(reader, aten.mm.default, picked_gradient, reader.args[1])
+            zeros = make(reader, aten.new_zeros.default, product,
+                         [make.size(reader, logits, 0), make.size(reader, reader.args[1], 1)])
+            made = make(reader, aten.index_put.default, zeros, [rows], product)
+        elif kind == "weight":
+            made = make(reader, aten.mm.default,
+                        make(reader, aten.t.default, picked_gradient), pick(reader, reader.args[1]))
+        else:
+            total = make(reader, aten.sum.dim_IntList, picked_gradient, [0])
+            ones = [1] * (_val(reader).dim() - 1)  # the rows' dimensions, kept or not
+            made = make(reader, aten.view.default, total, [*ones, make.size(reader, logits, 1)])
+        reader.replace_all_uses_with(made)
+        graph.erase_node(reader)
+    return 1

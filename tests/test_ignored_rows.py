@@ -1,0 +1,172 @@
+"""A loss's ignored rows left out of its backward's products (capture/ignored_rows.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lazygrad
+from lazygrad.capture import ignored_rows, peephole
+from tests.conftest import assert_close, assert_grads_equal
+from tests.test_peephole import _decomposed, _total
+
+aten = torch.ops.aten
+
+
+def _head_backward(logits, target, grad, total, weight, hidden):
+    """Cross-entropy's gradient through a head `hidden @ weight.t() + bias`: the gradients of
+    its input, weight and bias, as the partition leaves them."""
+    out = aten._log_softmax.default(logits, 1, False)
+    nll = aten.nll_loss_backward.default(grad, out, target, None, 1, -100, total)
+    g = aten._log_softmax_backward_data.default(nll, out, 1, logits.dtype)
+    return g.mm(weight), g.t().mm(hidden), g.view(2, -1, g.shape[1]).sum([0, 1], keepdim=True)
+
+
+def _inputs(rows: int, classes: int, dim: int, seed: int, ignored: float = 0.75):
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, classes, (rows,), generator=generator)
+    target[torch.rand(rows, generator=generator) < ignored] = -100
+    return (torch.randn(rows, classes, generator=generator), target, torch.tensor(0.7),
+            _total(target), torch.randn(classes, dim, generator=generator),
+            torch.randn(rows, dim, generator=generator))
+
+
+def _rewritten(fn, inputs: tuple) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """`fn` traced and rewritten by the peephole rules, then by ignored_rows with `inputs`'
+    targets as the first call's: (before ignored_rows, after it, how many it rewrote)."""
+    gm = _decomposed(fn, *inputs)
+    peephole.rewrite(gm)
+    dense = copy.deepcopy(gm)
+    return dense, gm, ignored_rows.rewrite(gm, {"target_1": inputs[1]})
+
+
+def test_the_kept_rows_alone_give_the_gradients_of_every_row():
+    dense, gm, fired = _rewritten(_head_backward, _inputs(8, 11, 5, 0))
+    assert fired == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.nonzero.default in targets and aten.index_put.default in targets
+    for seed in range(4):  # other sizes, other targets (none ignored, all ignored): symbolic
+        rows = 2 * (3 + seed)
+        inputs = _inputs(rows, 9 + seed, 4, seed, ignored=(0.75, 0.0, 1.0, 0.5)[seed])
+        for got, expected in zip(gm(*inputs), dense(*inputs), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        ignored = inputs[1] == -100
+        if ignored.any() and not ignored.all():
+            assert torch.equal(gm(*inputs)[0][ignored], torch.zeros_like(inputs[5][ignored]))
+
+
+def test_an_ignored_row_that_overflowed_gives_eagers_nan_gradients():
+    """Eager's gradient is NaN wherever an ignored row's logits are not finite (0 * inf):
+    then every row is computed, and the NaN reaches the products as in eager."""
+    dense, gm, fired = _rewritten(_head_backward, _inputs(8, 11, 5, 0))
+    assert fired == 1
+    inputs = _inputs(8, 11, 5, 1)
+    ignored = int((inputs[1] == -100).nonzero()[0])
+    inputs[0][ignored, 3] = float("inf")
+    for got, expected in zip(gm(*inputs), dense(*inputs), strict=True):
+        assert expected.isnan().any()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_a_reader_other_than_a_product_or_sum_leaves_the_graph_as_it_is():
+    def fn(logits, target, grad, total, weight, hidden):
+        out = aten._log_softmax.default(logits, 1, False)
+        nll = aten.nll_loss_backward.default(grad, out, target, None, 1, -100, total)
+        g = aten._log_softmax_backward_data.default(nll, out, 1, logits.dtype)
+        return g.mm(weight), g.exp()  # every row of g read
+
+    dense, gm, fired = _rewritten(fn, _inputs(8, 11, 5, 0))
+    assert fired == 0 and gm.code == dense.code
+
+
+def test_a_loss_that_keeps_most_rows_is_left_as_it_is():
+    """Picking most rows would cost a copy of the logits for little: a causal LM's labels."""
+    dense, gm, fired = _rewritten(_head_backward, _inputs(8, 11, 5, 0, ignored=0.25))
+    assert fired == 0 and gm.code == dense.code
+
+
+class MaskedLanguageModel(torch.nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids, labels, features=None):
+        h = self.embed(ids) if features is None else features
+        logits = self.head(torch.relu(self.hidden(h)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100), logits
+
+
+def _batch(batch: int, seq: int, generator: torch.Generator):
+    ids = torch.randint(0, 50, (batch, seq), generator=generator)
+    labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, -100)
+    return ids, labels
+
+
+@pytest.mark.parametrize("trains_logits", [False, True])
+def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits,
+                                                                         monkeypatch):
+    """Only the loss trained: its ignored rows are skipped; the logits trained too: their
+    gradient is dense, nothing is skipped. Batches of other sizes and other masked counts
+    (one with every row masked, which the graph built on a few serves)."""
+    fired = []
+    rewrite = ignored_rows.rewrite
+    monkeypatch.setattr(ignored_rows, "rewrite",
+                        lambda gm, examples: fired.append(rewrite(gm, examples)) or fired[-1])
+    torch.manual_seed(0)
+    eager = MaskedLanguageModel()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, lazy)]
+    generator = torch.Generator().manual_seed(1)
+    for step, batch in enumerate([4, 4, 3, 5, 5, 2]):
+        ids, labels = _batch(batch, 12, generator)
+        if step == 4:
+            labels = ids
+        results = []
+        for model in (eager, lazy):
+            loss, logits = model(ids, labels)
+            (loss + (logits.pow(2).mean() if trains_logits else 0)).backward()
+            results.append((loss, logits))
+        assert_close(results[1][0], results[0][0], f"step {step}: loss")
+        assert_close(results[1][1], results[0][1], f"step {step}: logits")
+        assert_grads_equal(lazy, eager, f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 4
+    assert any(fired) != trains_logits
+
+
+def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort():
+    torch.manual_seed(0)
+    eager = MaskedLanguageModel()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        ids, labels = _batch(3, 10, generator)
+        labels[0, 0], labels[1, 1] = -100, 7
+        features = torch.randn(3, 10, 16, generator=generator)
+        if step == 2:
+            features[0, 0] = float("inf")  # the row's logits overflow; its label is ignored
+        losses = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            loss, _ = model(ids, labels, features)
+            loss.backward()
+            losses.append(loss)
+        assert_close(losses[1], losses[0], f"step {step}: loss")
+        for (name, p), q in zip(eager.named_parameters(), lazy.parameters(), strict=True):
+            if p.grad is None:  # the embedding, which the features replace
+                assert q.grad is None, f"step {step}: {name}"
+                continue
+            assert torch.equal(p.grad.isnan(), q.grad.isnan()), f"step {step}: {name}"
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, equal_nan=True)
+        assert not losses[0].isnan()
+    assert eager.head.weight.grad.isnan().any()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2
