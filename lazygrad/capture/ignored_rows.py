@@ -16,7 +16,10 @@ computed from it, where the rows not kept add nothing:
   their rows (a zero row of `g` times `w` is zero);
 - `mm(g.t(), y)` (the weight's gradient): the product of the picked rows of `g` and `y`, the
   same sum over rows without its zero terms;
-- `sum(g, leading dims)` (the bias's gradient): the sum of the picked rows.
+- `sum(g, leading dims)` (the bias's gradient): the sum of the picked rows;
+
+through views that keep the rows and casts (autocast's copy of the gradient into float16 for
+the head's products, cast again from the picked rows).
 
 A reader that is anything else leaves the graph as it is, and so does a loss whose kept rows
 are not known to be few: the picking reads the logits twice more (a copy of the kept rows, a sum
@@ -25,15 +28,16 @@ the backward's peak where few are (a causal LM's shifted labels ignore one posit
 sequence). So the rewrite is made where the first call's labels, an input of the call, kept at
 most `KEPT_AT_MOST` of the rows; a later call keeping more is computed right, only slower.
 
-The values are the same up to the
-order of the sums' roundings and the sign of a zero. Where a row not kept is not finite (an
-overflow in float16), eager's gradient is NaN there and in every product it reaches (0 * inf);
-so where `sum(x)` is not finite every row is picked, and that call's gradient is the dense one.
-Not a gradient formula: the derivatives are the partition's, this only skips terms known zero.
+The values are the same up to the order of the sums' roundings and the sign of a zero. Where
+a row not kept is not finite (an overflow in float16), eager's gradient is NaN there and in
+every product it reaches (0 * inf); so where `sum(x)` is not finite every row is picked, and
+that call's gradient is the dense one. Not a gradient formula: the derivatives are the
+partition's, this only skips terms known zero.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +48,7 @@ import torch.utils._pytree as pytree
 from lazygrad.capture import private
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.alias.default, aten.detach.default}
@@ -74,6 +79,10 @@ def _known(condition: Any) -> bool:
     return bool(private.statically_known_true(condition))
 
 
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(_known(x == y) for x, y in zip(a.shape, b.shape))
+
+
 def _through_aliases(node: Any) -> Any:
     while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.alias.default):
         node = node.args[0]
@@ -85,7 +94,7 @@ def _kept_rows(weight: Any) -> fx.Node | None:
     if isinstance(weight, fx.Node) and weight.target is aten.mul.Tensor and not weight.kwargs:
         numbers = [a for a in weight.args if isinstance(a, (int, float))]
         nodes = [a for a in weight.args if isinstance(a, fx.Node)]
-        if len(numbers) == 1 and len(nodes) == 1:
+        if len(numbers) == 1 and len(nodes) == 1 and math.isfinite(numbers[0]):  # 0 * inf
             weight = nodes[0]
     if not isinstance(weight, fx.Node) or weight.target is not aten.where.self:
         return None
@@ -95,7 +104,7 @@ def _kept_rows(weight: Any) -> fx.Node | None:
         and zero.args[0] == 0)
     kept_val, weight_val = _val(kept), _val(weight)
     if not is_zero or kept_val is None or kept_val.dtype != torch.bool \
-            or kept_val.shape != weight_val.shape:
+            or not _same_shape(kept_val, weight_val):
         return None
     return kept
 
@@ -119,7 +128,7 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
         kept = _kept_rows(weight)
         rows = _val(weight)
         if kept is None or half_to_float or softmax_dim % 2 != 1 or rows.dim() != 2 \
-                or not _known(rows.shape[1] == 1) or _val(logits).shape != out.shape:
+                or not _known(rows.shape[1] == 1) or not _same_shape(_val(logits), out):
             return None
         return logits, weight, index, kept
     return None
@@ -153,31 +162,49 @@ def _is_transpose(node: fx.Node) -> bool:
     return node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
 
 
-def _readers(gradient: fx.Node) -> list[tuple[str, fx.Node, fx.Node]] | None:
-    """(kind, the view read, the reader) for every reader of `gradient`, through views that
-    keep its rows (the last dimension kept, the leading ones merged or split), if each is a
-    product or a sum over rows; None if one is not."""
+def _is_cast(node: fx.Node, read: fx.Node) -> bool:
+    """A copy into another floating dtype, on the same device, of the same shape: row by row."""
+    value, source = _val(node), _val(read)
+    if node.target is prims.convert_element_type.default:
+        copy = len(node.args) == 2 and not node.kwargs
+    else:
+        copy = node.target is aten._to_copy.default and len(node.args) == 1 \
+            and set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"}
+    return copy and value is not None and value.is_floating_point() \
+        and value.device == source.device and value.layout == torch.strided \
+        and _same_shape(value, source)
+
+
+Reader = tuple[str, fx.Node, tuple[fx.Node, ...]]  # (kind, the reader, the casts before it)
+
+
+def _readers(gradient: fx.Node) -> list[Reader] | None:
+    """(kind, reader, casts) for every reader of `gradient`, through views that keep its rows
+    (the last dimension kept, the leading ones merged or split) and casts (autocast's), if each
+    is a product or a sum over rows; None if one is not."""
     rows, width = _val(gradient).shape
-    found = []
-    pending = [gradient]
+    found: list[Reader] = []
+    pending = [(gradient, ())]
     while pending:
-        read = pending.pop()
+        read, casts = pending.pop()
         shape = _val(read).shape
         for user in read.users:
             value = _val(user)
             if user.target in _VIEWS and value is not None and value.dim() >= 1 \
                     and _known(value.shape[-1] == width) \
                     and _known(value.numel() == rows * width):
-                pending.append(user)
+                pending.append((user, casts))
+            elif _is_cast(user, read):
+                pending.append((user, (*casts, user)))
             elif user.target is aten.mm.default and user.args[0] is read and len(shape) == 2:
-                found.append(("product", read, user))
+                found.append(("product", user, casts))
             elif len(shape) == 2 and _is_transpose(user) and user.users and all(
                     u.target is aten.mm.default and u.args[0] is user
                     and _known(_val(u.args[1]).shape[0] == rows) for u in user.users):
-                found.extend(("weight", read, u) for u in user.users)
+                found.extend(("weight", u, casts) for u in user.users)
             elif user.target is aten.sum.dim_IntList and not user.kwargs and \
                     sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):
-                found.append(("sum", read, user))
+                found.append(("sum", user, casts))
             else:
                 return None
     return found
@@ -190,11 +217,12 @@ class _Maker:
         self.graph = graph
         self.fake_mode = private.detect_fake_mode([_val(like)])
 
-    def __call__(self, before: fx.Node, target: Any, *args: Any) -> fx.Node:
+    def __call__(self, before: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(before):
-            made = self.graph.call_function(target, args)
+            made = self.graph.call_function(target, args, kwargs)
         with self.fake_mode:
-            made.meta["val"] = target(*pytree.tree_map(_val, args))
+            made.meta["val"] = target(*pytree.tree_map(_val, args),
+                                      **pytree.tree_map(_val, kwargs))
         if "custom" in before.meta:
             made.meta["custom"] = before.meta["custom"]
         return made
@@ -242,17 +270,20 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
                   make(gradient, aten.neg.default, row_weight))
     picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
                            row_weight)
-    for kind, _, reader in readers:
+    for kind, reader, casts in readers:
+        read = picked_gradient
+        for cast in casts:
+            read = make(reader, cast.target, read, *cast.args[1:], **cast.kwargs)
         if kind == "product":
-            product = make(reader, aten.mm.default, picked_gradient, reader.args[1])
+            product = make(reader, aten.mm.default, read, reader.args[1])
             zeros = make(reader, aten.new_zeros.default, product,
                          [make.size(reader, logits, 0), make.size(reader, reader.args[1], 1)])
             made = make(reader, aten.index_put.default, zeros, [rows], product)
         elif kind == "weight":
             made = make(reader, aten.mm.default,
-                        make(reader, aten.t.default, picked_gradient), pick(reader, reader.args[1]))
+                        make(reader, aten.t.default, read), pick(reader, reader.args[1]))
         else:
-            total = make(reader, aten.sum.dim_IntList, picked_gradient, [0])
+            total = make(reader, aten.sum.dim_IntList, read, [0])
             ones = [1] * (_val(reader).dim() - 1)  # the rows' dimensions, kept or not
             made = make(reader, aten.view.default, total, [*ones, make.size(reader, logits, 1)])
         reader.replace_all_uses_with(made)
