@@ -41,7 +41,7 @@ def _rewritten(fn, inputs: tuple) -> tuple[torch.fx.GraphModule, torch.fx.GraphM
     gm = _decomposed(fn, *inputs)
     peephole.rewrite(gm)
     dense = copy.deepcopy(gm)
-    return dense, gm, ignored_rows.rewrite(gm, {"target_1": inputs[1]})
+    return dense, gm, ignored_rows.rewrite(gm, lambda node: {"target_1": inputs[1]}.get(node.name))
 
 
 def test_the_kept_rows_alone_give_the_gradients_of_every_row():
@@ -117,7 +117,7 @@ def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_
     fired = []
     rewrite = ignored_rows.rewrite
     monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, examples: fired.append(rewrite(gm, examples)) or fired[-1])
+                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
     torch.manual_seed(0)
     eager = MaskedLanguageModel()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
@@ -180,7 +180,43 @@ def test_autocast_gradients_of_the_kept_rows_are_as_close_to_float64_as_eagers(m
     fired = []
     rewrite = ignored_rows.rewrite
     monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, examples: fired.append(rewrite(gm, examples)) or fired[-1])
+                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
     test_mixed_precision._trains_as_eager(test_mixed_precision._bert, "autocast", torch.float16,
                                           "cpu")
     assert any(fired)
+
+
+class CausalLanguageModel(MaskedLanguageModel):
+    """Labels shifted in the forward, as Hugging Face's causal-LM loss does."""
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.relu(self.hidden(self.embed(ids))))
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+        return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100), logits
+
+
+@pytest.mark.parametrize("prompt_masked", [True, False])
+def test_labels_shifted_in_the_forward_are_read_as_the_first_call_made_them(prompt_masked,
+                                                                           monkeypatch):
+    """A fine-tuning's prompt masked out (-100 on most positions): the rows are picked; every
+    position labelled (one ignored a sequence, the shift's): the graph stays dense."""
+    fired = []
+    rewrite = ignored_rows.rewrite
+    monkeypatch.setattr(ignored_rows, "rewrite",
+                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
+    torch.manual_seed(0)
+    eager = CausalLanguageModel()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(3):
+        ids = torch.randint(0, 50, (3, 12), generator=generator)
+        labels = ids.clone()
+        if prompt_masked:
+            labels[:, :8] = -100
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            model(ids, labels)[0].backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 2
+    assert fired == [1 if prompt_masked else 0]

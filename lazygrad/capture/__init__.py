@@ -37,7 +37,6 @@ from lazygrad.capture import (
     node_order,
     partition,
     peephole,
-    private,
     python_random,
     reshaped_outputs,
     segment,
@@ -232,12 +231,7 @@ def capture(
             if gm is not None:
                 peephole.rewrite(gm)
         if tidied.backward is not None:
-            feeds = zip(partition.placeholders(tidied.backward), tidied.backward_feeds,
-                        strict=True)
-            ignored_rows.rewrite(tidied.backward, {
-                node.name: primals[feed.index] for node, feed in feeds
-                if feed.kind == "primal" and not isinstance(primals[feed.index],
-                                                            private.FakeTensor)})
+            ignored_rows.rewrite(tidied.backward, ignored_rows.first_call_inputs(tidied, primals))
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph

@@ -25,8 +25,10 @@ A reader that is anything else leaves the graph as it is, and so does a loss who
 are not known to be few: the picking reads the logits twice more (a copy of the kept rows, a sum
 for the check below), which pays where most rows are ignored and costs a logits-sized copy at
 the backward's peak where few are (a causal LM's shifted labels ignore one position a
-sequence). So the rewrite is made where the first call's labels, an input of the call, kept at
-most `KEPT_AT_MOST` of the rows; a later call keeping more is computed right, only slower.
+sequence). So the rewrite is made where the first call's labels (an input of the call, or made
+from one in the forward, as a causal LM shifts them) kept at most `KEPT_AT_MOST` of the rows:
+masked-LM labels, a fine-tuning's prompt masked out; a later call keeping more is computed
+right, only slower.
 
 The values are the same up to the order of the sums' roundings and the sign of a zero. Where
 a row not kept is not finite (an overflow in float16), eager's gradient is NaN there and in
@@ -38,7 +40,7 @@ partition's, this only skips terms known zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +48,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from lazygrad.capture import private
+from lazygrad.capture.partition import output_node, placeholders
+from lazygrad.capture.tidy import Feed, Tidy
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -55,14 +59,14 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 KEPT_AT_MOST = 0.5  # of the rows, in the first call, for the rewrite to be made
 
 
-def rewrite(gm: fx.GraphModule, examples: Mapping[str, torch.Tensor]) -> int:
+def rewrite(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor | None]) -> int:
     """Apply to every cross-entropy gradient of `gm` (a backward) whose readers allow it and
-    whose first call kept few rows, in place; how many. `examples`: the first call's values of
-    the graph's inputs that are the call's own inputs, by placeholder name."""
+    whose first call kept few rows, in place; how many. `inputs`: the first call's value of one
+    of the graph's inputs (`first_call_inputs`), or None where unknown."""
     fired = 0
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and node.target is aten.scatter_add.default:
-            fired += _skip_ignored_rows(gm.graph, node, examples)
+            fired += _skip_ignored_rows(gm.graph, node, inputs)
     if fired:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
@@ -134,24 +138,56 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
     return None
 
 
-def _kept_share(kept: fx.Node, examples: Mapping[str, torch.Tensor]) -> float | None:
-    """The share of rows `kept` kept in the first call, where it is computed from one input of
-    the call by ops of one tensor each (`labels.view(-1).unsqueeze(1) != -100`); else None."""
+def value_in_first_call(node: fx.Node, inputs: Callable[[fx.Node], torch.Tensor | None]
+                        ) -> torch.Tensor | None:
+    """`node`'s value in the first call, where it is made from one of its graph's inputs (whose
+    value `inputs` gives, or None) by ops of one tensor each; else None."""
     chain = []
-    node = kept
     while node.op != "placeholder":
-        inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
-        if node.op != "call_function" or len(inputs) != 1 or inputs[0] not in node.args:
+        arguments = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                     if isinstance(a, fx.Node)]
+        if node.op != "call_function" or len(arguments) != 1 or arguments[0] not in node.args:
             return None
         chain.append(node)
-        node = inputs[0]
-    value = examples.get(node.name)
-    if value is None:
-        return None
+        node = arguments[0]
+    value = inputs(node)
     for step in reversed(chain):
-        args = [value if isinstance(a, fx.Node) else a for a in step.args]
-        value = step.target(*args, **step.kwargs)
-    return float(value.float().mean()) if value.numel() else None
+        if value is None:
+            return None
+        value = step.target(*[value if isinstance(a, fx.Node) else a for a in step.args],
+                            **step.kwargs)
+    return value
+
+
+def first_call_inputs(tidied: Tidy, primals: Sequence[torch.Tensor]
+                      ) -> Callable[[fx.Node], torch.Tensor | None]:
+    """The first call's value of a backward input: an input of the call, or a forward result
+    made from one (a causal LM's labels shifted in its forward: `F.pad(labels)[..., 1:]`)."""
+    def primal(feed: Feed) -> torch.Tensor | None:
+        value = primals[feed.index] if feed.kind == "primal" else None
+        return None if isinstance(value, private.FakeTensor) else value
+
+    forward_feeds = dict(zip(placeholders(tidied.forward), tidied.forward_feeds, strict=True))
+    results = output_node(tidied.forward).args[0]
+    backward_feeds = dict(zip(placeholders(tidied.backward), tidied.backward_feeds, strict=True))
+
+    def of(node: fx.Node) -> torch.Tensor | None:
+        feed = backward_feeds[node]
+        if feed.kind == "saved" and isinstance(results[feed.index], fx.Node):
+            return value_in_first_call(results[feed.index], lambda p: primal(forward_feeds[p]))
+        return primal(feed)
+
+    return of
+
+
+def _kept_share(kept: fx.Node, inputs: Callable[[fx.Node], torch.Tensor | None]) -> float | None:
+    """The share of rows `kept` kept in the first call (`labels.view(-1).unsqueeze(1) != -100`),
+    or None where unknown."""
+    try:
+        value = value_in_first_call(kept, inputs)
+    except Exception:  # an op on the labels this code did not expect: no rewrite, no harm
+        return None
+    return float(value.float().mean()) if value is not None and value.numel() else None
 
 
 def _is_transpose(node: fx.Node) -> bool:
@@ -239,13 +275,13 @@ class _Maker:
 
 
 def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
-                       examples: Mapping[str, torch.Tensor]) -> int:
+                       inputs: Callable[[fx.Node], torch.Tensor | None]) -> int:
     matched = _match(gradient)
     readers = _readers(gradient) if matched is not None else None
     if not readers:
         return 0
     logits, weight, index, kept = matched
-    share = _kept_share(kept, examples)
+    share = _kept_share(kept, inputs)
     if share is None or share > KEPT_AT_MOST:
         return 0
     make = _Maker(graph, logits)
