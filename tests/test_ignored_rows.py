@@ -220,3 +220,45 @@ def test_labels_shifted_in_the_forward_are_read_as_the_first_call_made_them(prom
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2
     assert fired == [1 if prompt_masked else 0]
+
+
+class LossOnly(MaskedLanguageModel):
+    """Returns the loss alone, summed: the backward reads the forward's saved log-softmax (the
+    logits are not kept), whose exponent gives the probabilities."""
+
+    def forward(self, ids, labels, features):
+        logits = self.head(torch.relu(self.hidden(features)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / 7
+
+
+def test_a_loss_whose_log_softmax_is_saved_skips_its_rows_and_keeps_eagers_nan(monkeypatch):
+    fired = []
+    rewrite = ignored_rows.rewrite
+    monkeypatch.setattr(ignored_rows, "rewrite",
+                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
+    torch.manual_seed(0)
+    eager = LossOnly()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(4):
+        ids, labels = _batch(3, 10, generator)
+        labels[0, 0], labels[1, 1] = -100, 7
+        features = torch.randn(3, 10, 16, generator=generator)
+        if step == 3:
+            features[0, 0] = float("inf")  # an ignored row's log-softmax is NaN
+        losses = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            losses.append(model(ids, labels, features))
+            losses[-1].backward()
+        assert_close(losses[1], losses[0], f"step {step}: loss")
+        for (name, p), q in zip(eager.named_parameters(), lazy.parameters(), strict=True):
+            if p.grad is None:
+                assert q.grad is None, f"step {step}: {name}"
+                continue
+            assert torch.equal(p.grad.isnan(), q.grad.isnan()), f"step {step}: {name}"
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert eager.head.weight.grad.isnan().any()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.hits == 3
+    assert fired == [1]

@@ -3,7 +3,8 @@
 Cross-entropy with an `ignore_index` (masked-language-model labels, -100 wherever a token is
 not masked, 85% of a BERT batch; a causal LM's padding) gives the ignored rows of its logits'
 gradient no weight. After `peephole.py` that gradient is `scatter_add(softmax(x) * -r, 1, i, r)`
-with `r = where(kept, w, 0)` (times a number), one weight per row, so a row not kept is
+(or `exp(l)` for the softmax, `l` the forward's log-softmax where the logits are not kept) with
+`r = where(kept, w, 0)` (times a number), one weight per row, so a row not kept is
 `softmax(x_row) * 0`: zeros where the row is finite. The head's backward then ran every row
 through a softmax, two products as large as the forward's and a sum: on a vocabulary head the
 largest part of the backward, and its peak (two logits-sized buffers).
@@ -32,9 +33,9 @@ right, only slower.
 
 The values are the same up to the order of the sums' roundings and the sign of a zero. Where
 a row not kept is not finite (an overflow in float16), eager's gradient is NaN there and in
-every product it reaches (0 * inf); so where `sum(x)` is not finite every row is picked, and
-that call's gradient is the dense one. Not a gradient formula: the derivatives are the
-partition's, this only skips terms known zero.
+every product it reaches (0 * inf); so where `sum(x)` (or `sum(l)`) is not finite every row is
+picked, and that call's gradient is the dense one. Not a gradient formula: the derivatives are
+the partition's, this only skips terms known zero.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _kept_rows(weight: Any) -> fx.Node | None:
 
 
 def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
-    """(logits, row weight, targets, kept) of `scatter_add(softmax(x, 1) * -r, 1, i, r)`."""
+    """(probabilities, row weight, targets, kept) of `scatter_add(p * -r, 1, i, r)`, `p` the
+    softmax of the logits by rows."""
     if node.kwargs or len(node.args) != 4:
         return None
     product, dim, index, weight = node.args
@@ -125,17 +127,26 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
     for probabilities, negated in (product.args, reversed(product.args)):
         probabilities = _through_aliases(probabilities)
         if not (isinstance(probabilities, fx.Node) and isinstance(negated, fx.Node)
-                and probabilities.target is aten._softmax.default
+                and _row_wise(probabilities)
                 and negated.target is aten.neg.default and negated.args[0] is weight):
             continue
-        logits, softmax_dim, half_to_float = probabilities.args
+        source = probabilities.args[0]
         kept = _kept_rows(weight)
         rows = _val(weight)
-        if kept is None or half_to_float or softmax_dim % 2 != 1 or rows.dim() != 2 \
-                or not _known(rows.shape[1] == 1) or not _same_shape(_val(logits), out):
+        if kept is None or rows.dim() != 2 or not _known(rows.shape[1] == 1) \
+                or not _same_shape(_val(source), out):
             return None
-        return logits, weight, index, kept
+        return probabilities, weight, index, kept
     return None
+
+
+def _row_wise(probabilities: fx.Node) -> bool:
+    """The probabilities, row by row: `_softmax(x, 1)` of the logits, or `exp(l)` of a saved
+    log-softmax (where the logits are not kept, the backward reads the forward's)."""
+    if probabilities.target is aten.exp.default:
+        return len(probabilities.args) == 1 and not probabilities.kwargs
+    return probabilities.target is aten._softmax.default and len(probabilities.args) == 3 \
+        and probabilities.args[1] % 2 == 1 and not probabilities.args[2]
 
 
 def value_in_first_call(node: fx.Node, inputs: Callable[[fx.Node], torch.Tensor | None]
@@ -280,7 +291,8 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
     readers = _readers(gradient) if matched is not None else None
     if not readers:
         return 0
-    logits, weight, index, kept = matched
+    probabilities, weight, index, kept = matched
+    logits = probabilities.args[0]  # or the log-softmax: not finite where they are not
     share = _kept_share(kept, inputs)
     if share is None or share > KEPT_AT_MOST:
         return 0
@@ -301,8 +313,9 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
         return make(before, aten.index_select.default, node, 0, rows)
 
     row_weight = pick(gradient, weight)
-    probabilities = make(gradient, aten._softmax.default, pick(gradient, logits), 1, False)
-    scaled = make(gradient, aten.mul.Tensor, probabilities,
+    picked_probabilities = make(gradient, probabilities.target, pick(gradient, logits),
+                                *probabilities.args[1:])
+    scaled = make(gradient, aten.mul.Tensor, picked_probabilities,
                   make(gradient, aten.neg.default, row_weight))
     picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
                            row_weight)
