@@ -17,6 +17,12 @@ from tests.test_peephole import _decomposed, _total
 aten = torch.ops.aten
 
 
+@pytest.fixture(autouse=True)
+def few_classes_too(monkeypatch):
+    """These tests' heads have tens of classes, where a vocabulary has thousands."""
+    monkeypatch.setattr(ignored_rows, "CLASSES_AT_LEAST", 2)
+
+
 def _head_backward(logits, target, grad, total, weight, hidden):
     """Cross-entropy's gradient through a head `hidden @ weight.t() + bias`: the gradients of
     its input, weight and bias, as the partition leaves them."""
@@ -80,6 +86,14 @@ def test_a_reader_other_than_a_product_or_sum_leaves_the_graph_as_it_is():
         return g.mm(weight), g.exp()  # every row of g read
 
     dense, gm, fired = _rewritten(fn, _inputs(8, 11, 5, 0))
+    assert fired == 0 and gm.code == dense.code
+
+
+def test_a_head_of_few_classes_is_left_as_it_is(monkeypatch):
+    """A sentence pair's two classes, a tagger's labels: the picking would cost more than it
+    saves."""
+    monkeypatch.setattr(ignored_rows, "CLASSES_AT_LEAST", 12)
+    dense, gm, fired = _rewritten(_head_backward, _inputs(8, 11, 5, 0))
     assert fired == 0 and gm.code == dense.code
 
 
