@@ -267,10 +267,12 @@ class _Maker:
     def __init__(self, graph: fx.Graph, like: fx.Node) -> None:
         self.graph = graph
         self.fake_mode = private.detect_fake_mode([_val(like)])
+        self.made: list[fx.Node] = []  # in the order made
 
     def __call__(self, before: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(before):
             made = self.graph.call_function(target, args, kwargs)
+        self.made.append(made)
         with self.fake_mode:
             made.meta["val"] = target(*pytree.tree_map(_val, args),
                                       **pytree.tree_map(_val, kwargs))
@@ -285,24 +287,48 @@ class _Maker:
             return size
         with self.graph.inserting_before(before):
             made = self.graph.call_function(aten.sym_size.int, (node, dim))
+        self.made.append(made)
         made.meta["val"] = size
         return made
+
+    def undo(self) -> None:
+        """Erase what was made, the graph as it was (nothing else reads it yet)."""
+        for node in reversed(self.made):
+            self.graph.erase_node(node)
 
 
 def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
                        inputs: Callable[[fx.Node], torch.Tensor | None]) -> int:
+    """1 if the rewrite was made, else 0 and the graph as it was: an op this code did not
+    expect among the new ones (their metadata failing on fake tensors) leaves the graph dense,
+    never the model in parts."""
     matched = _match(gradient)
     readers = _readers(gradient) if matched is not None else None
     if not readers:
         return 0
     probabilities, weight, index, kept = matched
-    logits = probabilities.args[0]  # or the log-softmax: not finite where they are not
     share = _kept_share(kept, inputs)
     if share is None or share > KEPT_AT_MOST:
         return 0
-    make = _Maker(graph, logits)
+    make = _Maker(graph, probabilities)
     if make.fake_mode is None or make.fake_mode.shape_env is None:
         return 0  # no symbols here to count the picked rows with
+    try:
+        replacements = _picked(make, gradient, matched, readers)
+    except Exception:
+        make.undo()
+        return 0
+    for reader, made in replacements:
+        reader.replace_all_uses_with(made)
+        graph.erase_node(reader)
+    return 1
+
+
+def _picked(make: _Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
+            readers: list[Reader]) -> list[tuple[fx.Node, fx.Node]]:
+    """The kept rows' gradient, and for each reader what replaces it."""
+    probabilities, weight, index, kept = matched
+    logits = probabilities.args[0]  # or the log-softmax: not finite where they are not
     flat = make(gradient, aten.view.default, kept, [-1])
     overflow = make(gradient, aten.logical_not.default,
                     make(gradient, aten.isfinite.default, make(gradient, aten.sum.default, logits)))
@@ -323,6 +349,7 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
                   make(gradient, aten.neg.default, row_weight))
     picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
                            row_weight)
+    replacements = []
     for kind, reader, casts in readers:
         read = picked_gradient
         for cast in casts:
@@ -339,6 +366,5 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
             total = make(reader, aten.sum.dim_IntList, read, [0])
             ones = [1] * (_val(reader).dim() - 1)  # the rows' dimensions, kept or not
             made = make(reader, aten.view.default, total, [*ones, make.size(reader, logits, 1)])
-        reader.replace_all_uses_with(made)
-        graph.erase_node(reader)
-    return 1
+        replacements.append((reader, made))
+    return replacements
