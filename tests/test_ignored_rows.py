@@ -287,3 +287,29 @@ def test_a_loss_whose_log_softmax_is_saved_skips_its_rows_and_keeps_eagers_nan(m
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 3
     assert fired == [1]
+
+
+def _from_log_probabilities(log_p, target, grad, total, weight, hidden):
+    """The backward of a loss whose log-probabilities the forward saved, in the form the
+    peephole rules leave: `scatter_add(exp(l) * -r, 1, i, r)`."""
+    kept = (target != -100).unsqueeze(1)
+    r = torch.where(kept, grad / total, 0) * -1.0
+    index = torch.where(kept, target.unsqueeze(1), 0)
+    g = torch.scatter_add(log_p.exp() * -r, 1, index, r)
+    return g.mm(weight), g.t().mm(hidden)
+
+
+def test_an_exponent_that_overflows_in_an_ignored_row_gives_the_dense_nan():
+    """exp(l) of a large l is infinite, times the row's zero weight NaN, as in eager: the check
+    holds the exponent of the largest l too, not only the sum's finiteness."""
+    dense, gm, fired = _rewritten(_from_log_probabilities, _inputs(8, 11, 5, 0))
+    assert fired == 1
+    inputs = _inputs(8, 11, 5, 2)
+    ignored = int((inputs[1] == -100).nonzero()[0])
+    inputs[0][ignored, 4] = 100.0  # finite, but exp(100) is not
+    for got, expected in zip(gm(*inputs), dense(*inputs), strict=True):
+        assert expected.isnan().any()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    inputs[0][ignored, 4] = 1.0
+    for got, expected in zip(gm(*inputs), dense(*inputs), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -33,9 +33,10 @@ right, only slower.
 
 The values are the same up to the order of the sums' roundings and the sign of a zero. Where
 a row not kept is not finite (an overflow in float16), eager's gradient is NaN there and in
-every product it reaches (0 * inf); so where `sum(x)` (or `sum(l)`) is not finite every row is
-picked, and that call's gradient is the dense one. Not a gradient formula: the derivatives are
-the partition's, this only skips terms known zero.
+every product it reaches (0 * inf); so where `sum(x)` is not finite every row is picked, and
+that call's gradient is the dense one (from `l`: where `sum(l) + exp(max(l))` is not, so an
+`exp` that overflows counts too). Not a gradient formula: the derivatives are the
+partition's, this only skips terms known zero.
 """
 
 from __future__ import annotations
@@ -328,10 +329,14 @@ def _picked(make: _Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
             readers: list[Reader]) -> list[tuple[fx.Node, fx.Node]]:
     """The kept rows' gradient, and for each reader what replaces it."""
     probabilities, weight, index, kept = matched
-    logits = probabilities.args[0]  # or the log-softmax: not finite where they are not
+    logits = probabilities.args[0]  # or the log-softmax
     flat = make(gradient, aten.view.default, kept, [-1])
+    total = make(gradient, aten.sum.default, logits)  # not finite where one of them is not
+    if probabilities.target is aten.exp.default:  # nor where the largest's exponent overflows
+        total = make(gradient, aten.add.Tensor, total, make(
+            gradient, aten.exp.default, make(gradient, aten.amax.default, logits, [0, 1])))
     overflow = make(gradient, aten.logical_not.default,
-                    make(gradient, aten.isfinite.default, make(gradient, aten.sum.default, logits)))
+                    make(gradient, aten.isfinite.default, total))
     picked = make(gradient, aten.nonzero.default,
                   make(gradient, aten.logical_or.default, flat, overflow))
     bindings = private.compute_unbacked_bindings(make.fake_mode.shape_env, _val(picked))
