@@ -60,6 +60,11 @@ def test_the_kept_rows_alone_give_the_gradients_of_every_row():
         inputs = _inputs(rows, 9 + seed, 4, seed, ignored=(0.75, 0.0, 1.0, 0.5)[seed])
         for got, expected in zip(gm(*inputs), dense(*inputs), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        logits = inputs[0].clone().requires_grad_()  # and eager's, through autograd
+        F.cross_entropy(logits, inputs[1], ignore_index=-100).mul(0.7).backward()
+        eager = (logits.grad @ inputs[4], logits.grad.t() @ inputs[5], logits.grad.sum(0))
+        for got, expected in zip(gm(*inputs), eager, strict=True):
+            torch.testing.assert_close(got.view_as(expected), expected, rtol=1e-5, atol=1e-6)
         ignored = inputs[1] == -100
         if ignored.any() and not ignored.all():
             assert torch.equal(gm(*inputs)[0][ignored], torch.zeros_like(inputs[5][ignored]))
