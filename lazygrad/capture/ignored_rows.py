@@ -22,21 +22,22 @@ computed from it, where the rows not kept add nothing:
 through views that keep the rows and casts (autocast's copy of the gradient into float16 for
 the head's products, cast again from the picked rows).
 
-A reader that is anything else leaves the graph as it is, and so does a loss whose kept rows
-are not known to be few: the picking reads the logits twice more (a copy of the kept rows, a sum
-for the check below), which pays where most rows are ignored and costs a logits-sized copy at
-the backward's peak where few are (a causal LM's shifted labels ignore one position a
-sequence). So the rewrite is made where the first call's labels (an input of the call, or made
-from one in the forward, as a causal LM shifts them) kept at most `KEPT_AT_MOST` of the rows:
-masked-LM labels, a fine-tuning's prompt masked out; a later call keeping more is computed
-right, only slower.
+A reader that is anything else leaves the graph as it is, and so does a head of few classes
+(`CLASSES_AT_LEAST`) or a loss whose kept rows are not known to be few: the picking reads the
+logits twice more (a copy of the kept rows, a sum for the check below), which pays where most
+rows are ignored and costs a logits-sized copy at the backward's peak where few are (a causal
+LM's shifted labels ignore one position a sequence). So the rewrite is made where the first
+call's labels (an input of the call, or made from one in the forward, as a causal LM shifts
+them) kept at most `KEPT_AT_MOST` of the rows: masked-LM labels, a fine-tuning's prompt masked
+out; a later call keeping more is computed right, only slower.
 
 The values are the same up to the order of the sums' roundings and the sign of a zero. Where
 a row not kept is not finite (an overflow in float16), eager's gradient is NaN there and in
 every product it reaches (0 * inf); so where `sum(x)` is not finite every row is picked, and
 that call's gradient is the dense one (from `l`: where `sum(l) + exp(max(l))` is not, so an
-`exp` that overflows counts too). Not a gradient formula: the derivatives are the
-partition's, this only skips terms known zero.
+`exp` that overflows counts too; a head's input or weight that is not finite makes its
+logits so). Not a gradient formula: the derivatives are the partition's, this only skips
+terms known zero.
 """
 
 from __future__ import annotations
