@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lazygrad import user_code
 from lazygrad.capture.private import checkpoint_region, traced_by_torch
 
 RUNTIME = "_lazygrad_runtime"
@@ -81,8 +82,10 @@ def forward_run_by(module: torch.nn.Module) -> Any:
 
 
 def run_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Run the forward the module's calls run (`forward_run_by`)."""
-    return forward_run_by(module)(*args, **kwargs)
+    """Run the forward the module's calls run (`forward_run_by`), never beside another
+    thread's trace (`user_code.py`)."""
+    with user_code.eager_run():
+        return forward_run_by(module)(*args, **kwargs)
 
 
 def installed(module: torch.nn.Module) -> Any | None:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lazygrad import heap, turns
+from lazygrad import heap, turns, user_code
 from lazygrad.capture import private
 
 T = TypeVar("T")
@@ -104,7 +104,8 @@ def run(build: Callable[[], T]) -> T:
         for start in _waiting:
             start.set()
         _waiting.clear()
-    return _queue(build, _NOW).result()
+    with user_code.lent():  # this thread's eager runs, if any, wait with it
+        return _queue(build, _NOW).result()
 
 
 def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures.Future[T]:

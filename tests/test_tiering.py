@@ -396,3 +396,54 @@ def test_a_build_never_takes_back_the_draws_made_beside_it():
     torch.manual_seed(5)
     drawn = (torch.rand(60) == got).nonzero().flatten().tolist()
     assert len(drawn) == 1 and drawn[0] > 0 and drawn[0] % 3 == 0, drawn  # 0: taken back
+
+
+class _Compiling:
+    """Whether a thread compiles, kept in a global, as transformers 5's output collector
+    (`CompileableContextVar`) keeps its collector while one does: every thread reads it."""
+
+    active = False
+
+
+class Routed(torch.nn.Module):
+    """Its forward holds the global while it compiles; an eager run that finds it set reads
+    what is not its own (transformers: its router logits went to the trace's collector, and
+    `load_balancing_loss_func` failed on none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(8, 8)
+        self.router = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            _Compiling.active = True
+        try:
+            h = self.hidden(x)
+            if compiling:
+                time.sleep(0.2)  # a trace of a larger model takes seconds
+            elif _Compiling.active:
+                raise RuntimeError("an eager run read the global of a trace going on")
+            return h, self.router(torch.tanh(h)).square().mean()
+        finally:
+            if compiling:
+                _Compiling.active = False
+
+
+def test_eager_steps_never_run_beside_a_trace_of_the_same_code():
+    """Code that runs as compiling may assume nothing else runs meanwhile (transformers'
+    collector does): eager steps beside a background build wait while it traces. Before, an
+    eager step read the trace's collector (HF Mixtral with router logits failed within ten
+    steps, IndexError) and the trace failed on the outputs it found (the model ran in parts)."""
+    lazy, eager = _pair(Routed())
+    x = torch.randn(6, 8)
+    loss = lambda o: o[0].sum() + o[1]  # noqa: E731
+    started = time.monotonic()
+    while not lazygrad.stats(lazy).hits:  # eager steps all along the build, then ORT's
+        assert time.monotonic() - started < 120, "the build never ended"
+        _step(lazy, eager, x, loss, f"{lazygrad.stats(lazy).eager_steps} eager steps")
+        time.sleep(0.005)
+    assert ran_through_ort(_step(lazy, eager, x, loss, "built"))
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.builds == 1

@@ -25,7 +25,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
-from lazygrad import global_hooks
+from lazygrad import global_hooks, user_code
 from lazygrad.capture import aliases, checks, data_lengths, draws, lowerings, private, symbols
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
@@ -229,9 +229,10 @@ def trace(
             # for its outputs, and without it some meta kernels (index's broadcast, as in
             # bilinear upsampling) reach C++ ops that refuse symbolic sizes. LSTM, GRU and RNN
             # as eager computes them (`private.recurrent_layers_as_eager`); fused ops as what
-            # they compute (`lowerings.COMPOSITE`).
-            with torch.enable_grad() if training else torch.no_grad(), mode, private.compiling(), \
-                    private.generators_left_alone(), \
+            # they compute (`lowerings.COMPOSITE`). Never beside an eager run of the user's code
+            # on another thread (`user_code.py`: code that runs as compiling may assume so).
+            with user_code.traced(), torch.enable_grad() if training else torch.no_grad(), \
+                    mode, private.compiling(), private.generators_left_alone(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
                     private.recurrent_layers_as_eager(), \
                     private.composite_kernels(lowerings.COMPOSITE), \
