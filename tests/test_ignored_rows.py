@@ -23,6 +23,16 @@ def few_classes_too(monkeypatch):
     monkeypatch.setattr(ignored_rows, "CLASSES_AT_LEAST", 2)
 
 
+@pytest.fixture
+def fired(monkeypatch) -> list[int]:
+    """What each of the rewrite's calls rewrote, in order (the builds' backward graphs)."""
+    made: list[int] = []
+    rewrite = ignored_rows.rewrite
+    monkeypatch.setattr(ignored_rows, "rewrite",
+                        lambda gm, inputs: made.append(rewrite(gm, inputs)) or made[-1])
+    return made
+
+
 def _head_backward(logits, target, grad, total, weight, hidden):
     """Cross-entropy's gradient through a head `hidden @ weight.t() + bias`: the gradients of
     its input, weight and bias, as the partition leaves them."""
@@ -139,15 +149,10 @@ def _batch(batch: int, seq: int, generator: torch.Generator):
 
 
 @pytest.mark.parametrize("trains_logits", [False, True])
-def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits,
-                                                                         monkeypatch):
+def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits, fired):
     """Only the loss trained: its ignored rows are skipped; the logits trained too: their
     gradient is dense, nothing is skipped. Batches of other sizes and other masked counts
     (one with every row masked, which the graph built on a few serves)."""
-    fired = []
-    rewrite = ignored_rows.rewrite
-    monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
     torch.manual_seed(0)
     eager = MaskedLanguageModel()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
@@ -173,23 +178,26 @@ def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_
     assert any(fired) != trains_logits
 
 
-def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort():
+def _steps_up_to_an_overflow(eager: torch.nn.Module, steps: int, seed: int,
+                             loss_of) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """`steps` steps of `eager` and a lazy copy, the last with an ignored row's features
+    infinite: the losses eager's, every gradient eager's, NaN where eager's is. The lazy model
+    and eager's losses."""
     torch.manual_seed(0)
-    eager = MaskedLanguageModel()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
-    generator = torch.Generator().manual_seed(2)
-    for step in range(3):
+    generator = torch.Generator().manual_seed(seed)
+    eager_losses = []
+    for step in range(steps):
         ids, labels = _batch(3, 10, generator)
         labels[0, 0], labels[1, 1] = -100, 7
         features = torch.randn(3, 10, 16, generator=generator)
-        if step == 2:
+        if step == steps - 1:
             features[0, 0] = float("inf")  # the row's logits overflow; its label is ignored
         losses = []
         for model in (eager, lazy):
             model.zero_grad(set_to_none=True)
-            loss, _ = model(ids, labels, features)
-            loss.backward()
-            losses.append(loss)
+            losses.append(loss_of(model(ids, labels, features)))
+            losses[-1].backward()
         assert_close(losses[1], losses[0], f"step {step}: loss")
         for (name, p), q in zip(eager.named_parameters(), lazy.parameters(), strict=True):
             if p.grad is None:  # the embedding, which the features replace
@@ -197,20 +205,23 @@ def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort():
                 continue
             assert torch.equal(p.grad.isnan(), q.grad.isnan()), f"step {step}: {name}"
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, equal_nan=True)
-        assert not losses[0].isnan()
+        eager_losses.append(losses[0])
     assert eager.head.weight.grad.isnan().any()
+    return lazy, eager_losses
+
+
+def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort():
+    torch.manual_seed(0)
+    lazy, losses = _steps_up_to_an_overflow(MaskedLanguageModel(), 3, 2, lambda out: out[0])
+    assert not any(loss.isnan() for loss in losses)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2
 
 
-def test_autocast_gradients_of_the_kept_rows_are_as_close_to_float64_as_eagers(monkeypatch):
+def test_autocast_gradients_of_the_kept_rows_are_as_close_to_float64_as_eagers(fired):
     """Under autocast the gradient reaches the head's products through a cast to float16, which
     the picked rows are given too. (In `.half()` the backward of a float16 log-softmax computes
     in float32 between casts, which the peephole rules leave as it is: nothing is skipped.)"""
-    fired = []
-    rewrite = ignored_rows.rewrite
-    monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
     test_mixed_precision._trains_as_eager(test_mixed_precision._bert, "autocast", torch.float16,
                                           "cpu")
     assert any(fired)
@@ -227,13 +238,9 @@ class CausalLanguageModel(MaskedLanguageModel):
 
 @pytest.mark.parametrize("prompt_masked", [True, False])
 def test_labels_shifted_in_the_forward_are_read_as_the_first_call_made_them(prompt_masked,
-                                                                           monkeypatch):
+                                                                           fired):
     """A fine-tuning's prompt masked out (-100 on most positions): the rows are picked; every
     position labelled (one ignored a sequence, the shift's): the graph stays dense."""
-    fired = []
-    rewrite = ignored_rows.rewrite
-    monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
     torch.manual_seed(0)
     eager = CausalLanguageModel()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
@@ -261,34 +268,9 @@ class LossOnly(MaskedLanguageModel):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / 7
 
 
-def test_a_loss_whose_log_softmax_is_saved_skips_its_rows_and_keeps_eagers_nan(monkeypatch):
-    fired = []
-    rewrite = ignored_rows.rewrite
-    monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, inputs: fired.append(rewrite(gm, inputs)) or fired[-1])
+def test_a_loss_whose_log_softmax_is_saved_skips_its_rows_and_keeps_eagers_nan(fired):
     torch.manual_seed(0)
-    eager = LossOnly()
-    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
-    generator = torch.Generator().manual_seed(4)
-    for step in range(4):
-        ids, labels = _batch(3, 10, generator)
-        labels[0, 0], labels[1, 1] = -100, 7
-        features = torch.randn(3, 10, 16, generator=generator)
-        if step == 3:
-            features[0, 0] = float("inf")  # an ignored row's log-softmax is NaN
-        losses = []
-        for model in (eager, lazy):
-            model.zero_grad(set_to_none=True)
-            losses.append(model(ids, labels, features))
-            losses[-1].backward()
-        assert_close(losses[1], losses[0], f"step {step}: loss")
-        for (name, p), q in zip(eager.named_parameters(), lazy.parameters(), strict=True):
-            if p.grad is None:
-                assert q.grad is None, f"step {step}: {name}"
-                continue
-            assert torch.equal(p.grad.isnan(), q.grad.isnan()), f"step {step}: {name}"
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, equal_nan=True)
-    assert eager.head.weight.grad.isnan().any()
+    lazy, _ = _steps_up_to_an_overflow(LossOnly(), 4, 4, lambda loss: loss)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 3
     assert fired == [1]

@@ -33,8 +33,14 @@ import torch
 import torch.fx as fx
 
 from lazygrad.capture import symbols
-from lazygrad.capture.partition import Partitioned, output_node, placeholders, replace_node
-from lazygrad.capture.tidy import strip_views
+from lazygrad.capture.partition import (
+    Partitioned,
+    output_node,
+    placeholders,
+    rebuilt,
+    replace_node,
+)
+from lazygrad.capture.tidy import strip_views, unaliased
 
 aten = torch.ops.aten
 # On a forward log-softmax whose backward computes it again: the forward's stays (a transient
@@ -60,7 +66,7 @@ def recompute_log_softmax(parts: Partitioned, num_kept: int) -> None:
                 and not node.args[2]):
             continue
         # AOTAutograd saves the result, and `detach`es of it, under their own names.
-        copies = [n for n in saved if isinstance(n, fx.Node) and _unaliased(n) is node]
+        copies = [n for n in saved if isinstance(n, fx.Node) and unaliased(n) is node]
         logits, dim = node.args[:2]
         if (not copies or any(n.name not in readers for n in copies)
                 or strip_views(logits)[0] not in alive or _value(logits) is None):
@@ -75,15 +81,7 @@ def recompute_log_softmax(parts: Partitioned, num_kept: int) -> None:
     if changed:
         output_node(forward).args = (tuple(kept + saved),)
         for gm in (forward, backward):
-            gm.graph.eliminate_dead_code()
-            gm.graph.lint()
-            gm.recompile()
-
-
-def _unaliased(node: fx.Node) -> fx.Node:
-    while node.target in (aten.detach.default, aten.alias.default):
-        node = node.args[0]
-    return node
+            rebuilt(gm)
 
 
 def _alias(forward: fx.GraphModule, backward: fx.GraphModule, value: fx.Node) -> fx.Node:

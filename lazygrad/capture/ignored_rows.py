@@ -51,8 +51,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from lazygrad.capture import private
-from lazygrad.capture.partition import output_node, placeholders
-from lazygrad.capture.tidy import Feed, Tidy
+from lazygrad.capture.partition import output_node, placeholders, rebuilt
+from lazygrad.capture.peephole import known, same_shape
+from lazygrad.capture.tidy import Feed, Tidy, unaliased
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -74,29 +75,12 @@ def rewrite(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor | None]
         if node.graph is gm.graph and node.target is aten.scatter_add.default:
             fired += _skip_ignored_rows(gm.graph, node, inputs)
     if fired:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        rebuilt(gm)
     return fired
 
 
 def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
-def _known(condition: Any) -> bool:
-    """What the trace knows of sizes, never an assumption added."""
-    return bool(private.statically_known_true(condition))
-
-
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dim() == b.dim() and all(_known(x == y) for x, y in zip(a.shape, b.shape))
-
-
-def _through_aliases(node: Any) -> Any:
-    while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.alias.default):
-        node = node.args[0]
-    return node
 
 
 def _kept_rows(weight: Any) -> fx.Node | None:
@@ -114,7 +98,7 @@ def _kept_rows(weight: Any) -> fx.Node | None:
         and zero.args[0] == 0)
     kept_val, weight_val = _val(kept), _val(weight)
     if not is_zero or kept_val is None or kept_val.dtype != torch.bool \
-            or not _same_shape(kept_val, weight_val):
+            or not same_shape(kept_val, weight_val):
         return None
     return kept
 
@@ -128,10 +112,10 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
     out = _val(node)
     if out is None or out.dim() != 2 or dim % 2 != 1 or not isinstance(product, fx.Node) \
             or product.target is not aten.mul.Tensor or product.kwargs \
-            or not _known(out.shape[1] >= CLASSES_AT_LEAST):
+            or not known(out.shape[1] >= CLASSES_AT_LEAST):
         return None
     for probabilities, negated in (product.args, reversed(product.args)):
-        probabilities = _through_aliases(probabilities)
+        probabilities = unaliased(probabilities)
         if not (isinstance(probabilities, fx.Node) and isinstance(negated, fx.Node)
                 and _row_wise(probabilities)
                 and negated.target is aten.neg.default and negated.args[0] is weight):
@@ -139,8 +123,8 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
         source = probabilities.args[0]
         kept = _kept_rows(weight)
         rows = _val(weight)
-        if kept is None or rows.dim() != 2 or not _known(rows.shape[1] == 1) \
-                or not _same_shape(_val(source), out):
+        if kept is None or rows.dim() != 2 or not known(rows.shape[1] == 1) \
+                or not same_shape(_val(source), out):
             return None
         return probabilities, weight, index, kept
     return None
@@ -225,7 +209,7 @@ def _is_cast(node: fx.Node, read: fx.Node) -> bool:
             and set(node.kwargs) <= {"dtype", "layout", "device", "memory_format"}
     return copy and value is not None and value.is_floating_point() \
         and value.device == source.device and value.layout == torch.strided \
-        and _same_shape(value, source)
+        and same_shape(value, source)
 
 
 Reader = tuple[str, fx.Node, tuple[fx.Node, ...]]  # (kind, the reader, the casts before it)
@@ -244,8 +228,8 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
         for user in read.users:
             value = _val(user)
             if user.target in _VIEWS and value is not None and value.dim() >= 1 \
-                    and _known(value.shape[-1] == width) \
-                    and _known(value.numel() == rows * width):
+                    and known(value.shape[-1] == width) \
+                    and known(value.numel() == rows * width):
                 pending.append((user, casts))
             elif _is_cast(user, read):
                 pending.append((user, (*casts, user)))
@@ -253,7 +237,7 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
                 found.append(("product", user, casts))
             elif len(shape) == 2 and _is_transpose(user) and user.users and all(
                     u.target is aten.mm.default and u.args[0] is user
-                    and _known(_val(u.args[1]).shape[0] == rows) for u in user.users):
+                    and known(_val(u.args[1]).shape[0] == rows) for u in user.users):
                 found.extend(("weight", u, casts) for u in user.users)
             elif user.target is aten.sum.dim_IntList and not user.kwargs and \
                     sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):

@@ -35,6 +35,14 @@ def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def rebuilt(gm: fx.GraphModule) -> None:
+    """After a rewrite of `gm`'s graph: the nodes no one reads dropped, the graph checked, the
+    module's code made again from it."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
 def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 

@@ -40,6 +40,8 @@ import torch
 import torch.fx as fx
 
 from lazygrad.capture import private
+from lazygrad.capture.partition import rebuilt
+from lazygrad.capture.tidy import unaliased
 
 aten = torch.ops.aten
 
@@ -57,9 +59,7 @@ def rewrite(gm: fx.GraphModule) -> int:
                 fired += 1
                 break
     if fired:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        rebuilt(gm)
     return fired
 
 
@@ -67,14 +67,14 @@ def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else None
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    """Sizes known equal from what the trace knows (two symbols the trace found equal, such as
-    the batch of the inputs and of the labels), never by adding an assumption."""
-    return bool(private.statically_known_true(a == b))
+def known(condition: Any) -> bool:
+    """A condition on sizes known true from what the trace knows (two symbols the trace found
+    equal, such as the batch of the inputs and of the labels), never by adding an assumption."""
+    return bool(private.statically_known_true(condition))
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dim() == b.dim() and all(map(_same_size, a.shape, b.shape))
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(known(x == y) for x, y in zip(a.shape, b.shape))
 
 
 def _one_per_row(node: Any, value_kind: str) -> tuple[fx.Node, int, fx.Node, Any] | None:
@@ -91,10 +91,10 @@ def _one_per_row(node: Any, value_kind: str) -> tuple[fx.Node, int, fx.Node, Any
         return None
     dim = dim % out.dim()
     if idx.shape[dim] != 1 or not all(
-        _same_size(idx.shape[k], out.shape[k]) for k in range(out.dim()) if k != dim
+        known(idx.shape[k] == out.shape[k]) for k in range(out.dim()) if k != dim
     ):
         return None
-    if value_kind == "src" and not (_val(value) is not None and _same_shape(_val(value), idx)):
+    if value_kind == "src" and not (_val(value) is not None and same_shape(_val(value), idx)):
         return None
     return zeros, dim, index, value
 
@@ -119,8 +119,8 @@ def _scale_scattered_value(graph: fx.Graph, node: fx.Node) -> bool:
             continue
         zeros, dim, index, value = found
         w, out = _val(weight), _val(node)
-        if w is None or w.dtype != out.dtype or not _same_shape(w, _val(index)) \
-                or not _same_shape(out, _val(scattered)):
+        if w is None or w.dtype != out.dtype or not same_shape(w, _val(index)) \
+                or not same_shape(out, _val(scattered)):
             continue
         src = _call(graph, node, aten.mul.Tensor, (weight, value), weight)
         made = _call(graph, node, aten.scatter.src, (zeros, dim, index, src), node)
@@ -141,7 +141,7 @@ def _sum_of_one_per_row(graph: fx.Graph, node: fx.Node) -> bool:
     _, dim, _, src = found
     out = _val(node)
     if dims[0] % out.dim() != dim or out.dtype != _val(src).dtype \
-            or not _same_shape(out, _val(src)):
+            or not same_shape(out, _val(src)):
         return False
     node.replace_all_uses_with(src)
     graph.erase_node(node)
@@ -159,13 +159,13 @@ def _subtract_from_one_per_row(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     _, dim, index, src = found
     out = _val(node)
-    if not (_same_shape(out, _val(product)) and _same_shape(out, _val(scattered))):
+    if not (same_shape(out, _val(product)) and same_shape(out, _val(scattered))):
         return False
     for full, broadcast in (product.args, reversed(product.args)):
         small = _val(broadcast)
         if isinstance(full, fx.Node) and small is not None and small.dtype == out.dtype \
-                and _same_shape(_val(full), out) \
-                and small.dim() <= out.dim() and not _same_shape(small, out):
+                and same_shape(_val(full), out) \
+                and small.dim() <= out.dim() and not same_shape(small, out):
             negated = _call(graph, node, aten.neg.default, (broadcast,), broadcast)
             scaled = _call(graph, node, aten.mul.Tensor, (full, negated), node)
             made = _call(graph, node, aten.scatter_add.default, (scaled, dim, index, src), node)
@@ -180,10 +180,7 @@ def softmax_for_exp(graph: fx.Graph, node: fx.Node) -> bool:
     AOTAutograd puts between a value and the backward's read of it."""
     if node.target is not aten.exp.default or len(node.args) != 1 or node.kwargs:
         return False
-    log_softmax = node.args[0]
-    while isinstance(log_softmax, fx.Node) and log_softmax.target in (aten.detach.default,
-                                                                      aten.alias.default):
-        log_softmax = log_softmax.args[0]
+    log_softmax = unaliased(node.args[0])
     if not isinstance(log_softmax, fx.Node) or log_softmax.target is not aten._log_softmax.default \
             or len(log_softmax.args) != 3 or log_softmax.args[2]:
         return False

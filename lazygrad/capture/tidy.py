@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from lazygrad.capture import symbols
 from lazygrad.capture.aliases import Aliasing
 from lazygrad.capture.errors import CaptureError
-from lazygrad.capture.partition import Partitioned, output_node, placeholders
+from lazygrad.capture.partition import Partitioned, output_node, placeholders, rebuilt
 from lazygrad.capture.views import VIEW_OPS
 
 aten = torch.ops.aten
@@ -121,9 +121,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         if node.op != "placeholder":
             slot(node)  # a forward intermediate the backward reads (a base, never a view)
     output_node(fw).args = (tuple(forward_results),)
-    fw.graph.eliminate_dead_code()
-    fw.graph.lint()
-    fw.recompile()
+    rebuilt(fw)
 
     if bw is not None:
         tangents = [p for p in placeholders(bw) if p.name.startswith("tangents")]
@@ -146,9 +144,7 @@ def tidy(parts: Partitioned, num_primals: int, mutated: list[int], num_outputs: 
         grads = list(output_node(bw).args[0])
         grads_for = [i for i, g in enumerate(grads[:num_primals]) if g is not None]
         output_node(bw).args = (tuple(grads[i] for i in grads_for),)
-        bw.graph.eliminate_dead_code()
-        bw.graph.lint()
-        bw.recompile()
+        rebuilt(bw)
         reach = _reached_by(bw, {p.name: cotangent_of[p.name] for p in tangents})
         grad_reach = [sorted(reach.get(node, ())) for node in output_node(bw).args[0]]
     return Tidy(
@@ -358,6 +354,14 @@ def strip_views(node: Any) -> tuple[Any, list[fx.Node]]:
 
 
 _IDENTITY = {aten.detach.default, aten.alias.default}
+
+
+def unaliased(node: Any) -> Any:
+    """The value behind the `detach`es and `alias`es AOTAutograd puts between a value and the
+    backward's read of it."""
+    while isinstance(node, fx.Node) and node.target in _IDENTITY:
+        node = node.args[0]
+    return node
 
 
 def _output_views(aliasing: Aliasing, root_nodes: list[fx.Node], others: Iterator[fx.Node],
