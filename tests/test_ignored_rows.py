@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lazygrad
-from lazygrad.capture import ignored_rows, peephole
+from lazygrad.capture import ignored_rows, node_maker, peephole
 from tests import test_mixed_precision
 from tests.conftest import assert_close, assert_grads_equal
 from tests.test_peephole import _decomposed, _total
@@ -110,7 +110,7 @@ def test_a_rewrite_that_fails_half_way_leaves_the_graph_as_it_was(monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("an op this rewrite did not expect")
 
-    monkeypatch.setattr(ignored_rows._Maker, "size", failing)  # after a dozen nodes are made
+    monkeypatch.setattr(node_maker.Maker, "size", failing)  # after a dozen nodes are made
     dense, gm, fired = _rewritten(_head_backward, _inputs(8, 11, 5, 0))
     assert fired == 0 and str(gm.graph) == str(dense.graph)
 

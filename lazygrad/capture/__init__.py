@@ -4,11 +4,11 @@ own derivative formulas.
 The stages, each callable alone: `trace` (AOTAutograd over functional_call on fake tensors),
 `partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
 and how to feed each graph), `peephole` (the same values in fewer passes over memory),
-`ignored_rows` (a loss's ignored rows left out of its backward), `to_onnx` (direct
-translation), `segment` (the backward cut into graphs run in order, to free the stash as it
-goes), `node_order` (the backward as ORT is to run it, in its nodes' order). `capture` runs
-the stages up to `ignored_rows`, `export` the last three; in between, `fingerprint` keys the
-on-disk cache."""
+`ignored_rows` (a loss's ignored rows left out of its backward), `few_rows` (rows summed
+into a few rows as one product), `to_onnx` (direct translation), `segment` (the backward cut
+into graphs run in order, to free the stash as it goes), `node_order` (the backward as ORT
+is to run it, in its nodes' order). `capture` runs the stages up to `few_rows`, `export` the
+last three; in between, `fingerprint` keys the on-disk cache."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from lazygrad.capture import (
     checks,
     data_lengths,
     escapes,
+    few_rows,
     forward_hooks,
     gelu,
     head,
@@ -232,6 +233,9 @@ def capture(
                 peephole.rewrite(gm)
         if tidied.backward is not None:
             ignored_rows.rewrite(tidied.backward, ignored_rows.first_call_inputs(tidied, primals))
+        for gm in (tidied.forward, tidied.backward):
+            if gm is not None:
+                few_rows.rewrite(gm)
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph

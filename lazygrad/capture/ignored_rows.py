@@ -51,6 +51,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from lazygrad.capture import private
+from lazygrad.capture.node_maker import Maker, value_of
 from lazygrad.capture.partition import output_node, placeholders, rebuilt
 from lazygrad.capture.peephole import known, same_shape
 from lazygrad.capture.tidy import Feed, Tidy, unaliased
@@ -79,10 +80,6 @@ def rewrite(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor | None]
     return fired
 
 
-def _val(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
 def _kept_rows(weight: Any) -> fx.Node | None:
     """`kept` where `weight` is `where(kept, w, 0)`, times a number or not: zero off `kept`."""
     if isinstance(weight, fx.Node) and weight.target is aten.mul.Tensor and not weight.kwargs:
@@ -96,7 +93,7 @@ def _kept_rows(weight: Any) -> fx.Node | None:
     is_zero = zero == 0 if isinstance(zero, (int, float)) else (
         isinstance(zero, fx.Node) and zero.target is aten.scalar_tensor.default
         and zero.args[0] == 0)
-    kept_val, weight_val = _val(kept), _val(weight)
+    kept_val, weight_val = value_of(kept), value_of(weight)
     if not is_zero or kept_val is None or kept_val.dtype != torch.bool \
             or not same_shape(kept_val, weight_val):
         return None
@@ -109,7 +106,7 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
     if node.kwargs or len(node.args) != 4:
         return None
     product, dim, index, weight = node.args
-    out = _val(node)
+    out = value_of(node)
     if out is None or out.dim() != 2 or dim % 2 != 1 or not isinstance(product, fx.Node) \
             or product.target is not aten.mul.Tensor or product.kwargs \
             or not known(out.shape[1] >= CLASSES_AT_LEAST):
@@ -122,9 +119,9 @@ def _match(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
             continue
         source = probabilities.args[0]
         kept = _kept_rows(weight)
-        rows = _val(weight)
+        rows = value_of(weight)
         if kept is None or rows.dim() != 2 or not known(rows.shape[1] == 1) \
-                or not same_shape(_val(source), out):
+                or not same_shape(value_of(source), out):
             return None
         return probabilities, weight, index, kept
     return None
@@ -201,7 +198,7 @@ def _is_transpose(node: fx.Node) -> bool:
 
 def _is_cast(node: fx.Node, read: fx.Node) -> bool:
     """A copy into another floating dtype, on the same device, of the same shape: row by row."""
-    value, source = _val(node), _val(read)
+    value, source = value_of(node), value_of(read)
     if node.target is prims.convert_element_type.default:
         copy = len(node.args) == 2 and not node.kwargs
     else:
@@ -219,14 +216,14 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
     """(kind, reader, casts) for every reader of `gradient`, through views that keep its rows
     (the last dimension kept, the leading ones merged or split) and casts (autocast's), if each
     is a product or a sum over rows; None if one is not."""
-    rows, width = _val(gradient).shape
+    rows, width = value_of(gradient).shape
     found: list[Reader] = []
     pending = [(gradient, ())]
     while pending:
         read, casts = pending.pop()
-        shape = _val(read).shape
+        shape = value_of(read).shape
         for user in read.users:
-            value = _val(user)
+            value = value_of(user)
             if user.target in _VIEWS and value is not None and value.dim() >= 1 \
                     and known(value.shape[-1] == width) \
                     and known(value.numel() == rows * width):
@@ -237,7 +234,7 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
                 found.append(("product", user, casts))
             elif len(shape) == 2 and _is_transpose(user) and user.users and all(
                     u.target is aten.mm.default and u.args[0] is user
-                    and known(_val(u.args[1]).shape[0] == rows) for u in user.users):
+                    and known(value_of(u.args[1]).shape[0] == rows) for u in user.users):
                 found.extend(("weight", u, casts) for u in user.users)
             elif user.target is aten.sum.dim_IntList and not user.kwargs and \
                     sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):
@@ -245,42 +242,6 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
             else:
                 return None
     return found
-
-
-class _Maker:
-    """New nodes with their values' metadata, computed on the graph's fake tensors."""
-
-    def __init__(self, graph: fx.Graph, like: fx.Node) -> None:
-        self.graph = graph
-        self.fake_mode = private.detect_fake_mode([_val(like)])
-        self.made: list[fx.Node] = []  # in the order made
-
-    def __call__(self, before: fx.Node, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        with self.graph.inserting_before(before):
-            made = self.graph.call_function(target, args, kwargs)
-        self.made.append(made)
-        with self.fake_mode:
-            made.meta["val"] = target(*pytree.tree_map(_val, args),
-                                      **pytree.tree_map(_val, kwargs))
-        if "custom" in before.meta:
-            made.meta["custom"] = before.meta["custom"]
-        return made
-
-    def size(self, before: fx.Node, node: fx.Node, dim: int) -> Any:
-        """`node`'s size `dim`: a number, or a node computing it where it is a symbol."""
-        size = _val(node).shape[dim]
-        if isinstance(size, int):
-            return size
-        with self.graph.inserting_before(before):
-            made = self.graph.call_function(aten.sym_size.int, (node, dim))
-        self.made.append(made)
-        made.meta["val"] = size
-        return made
-
-    def undo(self) -> None:
-        """Erase what was made, the graph as it was (nothing else reads it yet)."""
-        for node in reversed(self.made):
-            self.graph.erase_node(node)
 
 
 def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
@@ -296,8 +257,8 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
     share = _kept_share(kept, inputs)
     if share is None or share > KEPT_AT_MOST:
         return 0
-    make = _Maker(graph, probabilities)
-    if make.fake_mode is None or make.fake_mode.shape_env is None:
+    make = Maker(graph, probabilities)
+    if not make.counts_sizes:
         return 0  # no symbols here to count the picked rows with
     try:
         replacements = _picked(make, gradient, matched, readers)
@@ -310,7 +271,7 @@ def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
     return 1
 
 
-def _picked(make: _Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
+def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
             readers: list[Reader]) -> list[tuple[fx.Node, fx.Node]]:
     """The kept rows' gradient, and for each reader what replaces it."""
     probabilities, weight, index, kept = matched
@@ -322,12 +283,7 @@ def _picked(make: _Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
             gradient, aten.exp.default, make(gradient, aten.amax.default, logits, [0, 1])))
     overflow = make(gradient, aten.logical_not.default,
                     make(gradient, aten.isfinite.default, total))
-    picked = make(gradient, aten.nonzero.default,
-                  make(gradient, aten.logical_or.default, flat, overflow))
-    bindings = private.compute_unbacked_bindings(make.fake_mode.shape_env, _val(picked))
-    if bindings:
-        picked.meta["unbacked_bindings"] = bindings
-    rows = make(gradient, aten.view.default, picked, [-1])
+    rows = make.nonzero(gradient, make(gradient, aten.logical_or.default, flat, overflow))
 
     def pick(before: fx.Node, node: fx.Node) -> fx.Node:
         return make(before, aten.index_select.default, node, 0, rows)
@@ -354,7 +310,7 @@ def _picked(make: _Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
                         make(reader, aten.t.default, read), pick(reader, reader.args[1]))
         else:
             total = make(reader, aten.sum.dim_IntList, read, [0])
-            ones = [1] * (_val(reader).dim() - 1)  # the rows' dimensions, kept or not
+            ones = [1] * (value_of(reader).dim() - 1)  # the rows' dimensions, kept or not
             made = make(reader, aten.view.default, total, [*ones, make.size(reader, logits, 1)])
         replacements.append((reader, made))
     return replacements

@@ -10,7 +10,8 @@ ignores the override) into a window sum; adaptive average pooling's backward int
 products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
-into scatter_add (`accumulate_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
+into scatter_add (`accumulate_rows`); `x[ids]`, which torchlib translates with copies around its
+GatherND, into `index_select` (`gather_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
 into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
@@ -428,6 +429,26 @@ def accumulate_rows(
     rows = torch.where(rows < 0, rows + self.shape[0], rows)
     source = values.expand(*index.shape, *tail).reshape(rows.shape[0], *tail)
     return self.scatter_add(0, rows.reshape(-1, *([1] * len(tail))).expand(source.shape), source)
+
+
+def gather_rows(self: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
+    """`x[ids]` (`aten.index` with one integer index tensor, full slices around it) as
+    `index_select` along that dimension, which exports as one Gather.
+
+    torchlib exports every `index` as GatherND between two Transposes, which keep the
+    dimensions' order here, and ONNX Runtime ran them as copies of the result: a
+    Mixture-of-Experts layer gathering each token's expert weights ([512, 512, 128]) spent 60 ms
+    a step in each. Negative ids count from the end, as `index` takes them; an id out of range
+    fails in both, as before."""
+    positions = [d for d, index in enumerate(indices) if index is not None]
+    if len(positions) != 1 or indices[positions[0]].dtype not in (torch.int64, torch.int32):
+        return NotImplemented
+    dim = positions[0]
+    index = indices[dim]
+    ids = index.reshape(-1)
+    ids = torch.where(ids < 0, ids + self.shape[dim], ids)
+    picked = self.index_select(dim, ids)
+    return picked.view(*self.shape[:dim], *index.shape, *self.shape[dim + 1:])
 
 
 def stable_sort(
@@ -879,6 +900,8 @@ TABLE = {
     aten.mv.default: matrix_vector,
     aten.index_put.default: accumulate_rows,
     aten._unsafe_index_put.default: accumulate_rows,
+    aten.index.Tensor: gather_rows,
+    aten._unsafe_index.Tensor: gather_rows,
     aten.convolution_backward.default: convolution_backward,
     aten.avg_pool2d.default: avg_pool2d,
     aten.avg_pool2d_backward.default: avg_pool_backward(2),
