@@ -40,6 +40,7 @@ T = TypeVar("T")
 _Job = tuple[Callable[[], Any], concurrent.futures.Future, threading.Event]
 _jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
 _BACKWARD_PATIENCE = 30.0
+_IDLE_SECONDS = 1.0  # without a job, the builder thread ends (the next build starts another)
 _started = threading.Lock()  # guards `_thread` and `_waiting`
 _thread: threading.Thread | None = None
 _waiting: set[threading.Event] = set()  # starts of queued builds, not yet given
@@ -50,8 +51,16 @@ _NOW.set()
 
 
 def _work() -> None:
+    global _thread
     while True:
-        build, future, start = _jobs.get()
+        try:
+            build, future, start = _jobs.get(timeout=_IDLE_SECONDS)
+        except queue.Empty:
+            with _started:  # where `_queue` puts jobs: none is put while this thread ends
+                if _jobs.empty():
+                    _thread = None
+                    return
+            continue
         start.wait(_BACKWARD_PATIENCE)
         with _started:
             _waiting.discard(start)
@@ -110,14 +119,14 @@ def run(build: Callable[[], T]) -> T:
 
 def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures.Future[T]:
     global _thread
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
     with _started:
         if _thread is None:
             _thread = threading.Thread(target=_work, name="lazygrad-builder", daemon=True)
             _thread.start()
         if not start.is_set():
             _waiting.add(start)
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-    _jobs.put((build, future, start))
+        _jobs.put((build, future, start))
     return future
 
 

@@ -447,3 +447,31 @@ def test_eager_steps_never_run_beside_a_trace_of_the_same_code():
     assert ran_through_ort(_step(lazy, eager, x, loss, "built"))
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.builds == 1
+
+
+def _builder_alive() -> bool:
+    return any(thread.name == "lazygrad-builder" for thread in threading.enumerate())
+
+
+def test_the_builder_thread_ends_when_idle_and_a_later_build_starts_another(monkeypatch):
+    """A thread that ran torch's parallel ops keeps its own OpenMP threads while it lives, and
+    libgomp, with more threads than cores, stops the training thread's threads from spinning
+    between ops: every small op of eager PyTorch (the loss, the optimizer, eager steps) then
+    waits for a wake-up (a sum over [2048, 256]: 18 -> 66 us after a build, for good; an
+    eager Mixtral step 20 -> 38 ms). So the builder thread ends once it has no build."""
+    monkeypatch.setattr(builder, "_IDLE_SECONDS", 0.05)
+    torch.manual_seed(0)
+    eager = ThreeHeadMLP()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for width in (4, 6):  # the second signature's build runs on a new builder thread
+        x = torch.randn(width, 16)
+        deadline = time.monotonic() + 10
+        while _builder_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _builder_alive()
+        outputs = [model(x) for model in (eager, lazy)]
+        for out in outputs:
+            out[0].sum().backward()
+        assert_close(outputs[1][0], outputs[0][0], f"width {width}: output")
+        assert_grads_equal(lazy, eager, f"width {width}")
+    assert lazygrad.stats(lazy).builds >= 2 and lazygrad.stats(lazy).fallbacks == 0
