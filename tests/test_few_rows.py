@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import lazygrad
 from lazygrad.capture import few_rows, lowerings
-from tests.conftest import assert_close, assert_grads_equal, ran_through_ort
+from tests.conftest import assert_close, assert_grads_equal, counted_rewrites, ran_through_ort
 
 aten = torch.ops.aten
 
@@ -20,10 +20,7 @@ aten = torch.ops.aten
 @pytest.fixture
 def fired(monkeypatch) -> list[int]:
     """What each of the rewrite's calls rewrote, in order (the builds' graphs)."""
-    made: list[int] = []
-    rewrite = few_rows.rewrite
-    monkeypatch.setattr(few_rows, "rewrite", lambda gm: made.append(rewrite(gm)) or made[-1])
-    return made
+    return counted_rewrites(monkeypatch, few_rows)
 
 
 def _base(rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -181,3 +178,33 @@ def test_indexing_along_a_later_dimension_by_ids_of_any_shape_trains_like_eager(
         assert_close(outputs[1], outputs[0], f"step {step}: output")
         assert_grads_equal(lazy, eager, f"step {step}")
     assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+
+
+def test_a_forward_pooling_rows_into_a_few_trains_like_eager(fired):
+    """A graph network's sum pooling of node rows into their graphs' rows (PyG's `scatter`:
+    `scatter_add_` of an expanded index; `index_add_`): rewritten in the forward, over changing
+    numbers of nodes."""
+    class Pool(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+        def forward(self, x, graph):
+            h = torch.relu(self.embed(x))
+            summed = h.new_zeros(4, h.shape[1]).scatter_add_(0, graph.view(-1, 1).expand_as(h), h)
+            return self.head(summed + torch.zeros(4, h.shape[1]).index_add_(0, graph, h))
+
+    torch.manual_seed(0)
+    eager = Pool()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, nodes in enumerate([20, 20, 31, 7]):
+        x, graph = torch.randn(nodes, 8), torch.randint(0, 4, (nodes,))
+        outputs = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            outputs.append(model(x, graph))
+            outputs[-1].pow(2).sum().backward()
+        assert_close(outputs[1], outputs[0], f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+    assert [count for count in fired if count] == [2] * lazygrad.stats(lazy).builds

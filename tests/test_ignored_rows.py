@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import lazygrad
 from lazygrad.capture import ignored_rows, node_maker, peephole
 from tests import test_mixed_precision
-from tests.conftest import assert_close, assert_grads_equal
+from tests.conftest import assert_close, assert_grads_equal, counted_rewrites
 from tests.test_peephole import _decomposed, _total
 
 aten = torch.ops.aten
@@ -26,11 +26,7 @@ def few_classes_too(monkeypatch):
 @pytest.fixture
 def fired(monkeypatch) -> list[int]:
     """What each of the rewrite's calls rewrote, in order (the builds' backward graphs)."""
-    made: list[int] = []
-    rewrite = ignored_rows.rewrite
-    monkeypatch.setattr(ignored_rows, "rewrite",
-                        lambda gm, inputs: made.append(rewrite(gm, inputs)) or made[-1])
-    return made
+    return counted_rewrites(monkeypatch, ignored_rows)
 
 
 def _head_backward(logits, target, grad, total, weight, hidden):

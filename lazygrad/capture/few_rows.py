@@ -100,6 +100,8 @@ def _as_product(graph: fx.Graph, node: fx.Node, base: fx.Node, ids: fx.Node, src
 
 
 def _product(make: Maker, node: fx.Node, base: fx.Node, ids: fx.Node, src: fx.Node) -> fx.Node:
+    """`base + where(finite, one_hot(ids).T @ src, 0)`, then the rows picked (all where the
+    product is not finite, else none) scattered onto it, in `base`'s shape."""
     rows, *row_shape = value_of(base).shape
     width = math.prod(row_shape)
     count = make.size(node, src, 0)
