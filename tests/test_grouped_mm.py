@@ -65,6 +65,46 @@ def test_grouped_mm_fallback_matches_eager_with_an_empty_group_and_new_offsets()
     assert stats.builds == 1 and stats.hits == len(routings) - 1
 
 
+class TransposedExperts(torch.nn.Module):
+    """Each expert's weight stored (out, features) and handed to the op transposed, as
+    transformers' Mixtral and OLMoE experts do (`weight.transpose(-2, -1)`)."""
+
+    def __init__(self, experts: int = 4, features: int = 8, out: int = 6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, out, features))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.transpose(-2, -1)
+        return torch.ops.transformers.grouped_mm_fallback(x, weight, offsets).tanh()
+
+
+def test_a_transposed_weights_gradient_is_stacked_in_its_layout_by_the_products():
+    """The weight gradient's per-expert products compute their transposes (stacked_products):
+    the backward holds no Transpose of the stack, and gradients are eager's."""
+    _transformers_ops()
+    torch.manual_seed(0)
+    model = TransposedExperts()
+    lazy = lazygrad.lazy(copy.deepcopy(model), wait_for_builds=True)
+    x = torch.randn(12, 8)
+    for ends in ([3, 3, 9, 11], [0, 5, 12, 12], [4, 4, 4, 12]):
+        offsets = torch.tensor(ends, dtype=torch.int32)
+        outputs = []
+        for m in (model, lazy):
+            m.zero_grad(set_to_none=True)
+            outputs.append(m(x, offsets))
+            outputs[-1].pow(2).sum().backward()
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lazy.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 1
+    for entry in lazygrad.api.runtime_of(lazy)._pairs.values():
+        backward = entry.pair.graphs.backward.graph
+        made_by = {output: node.op_type for node in backward.node for output in node.output}
+        assert not [n for n in backward.node
+                    if n.op_type == "Transpose" and made_by.get(n.input[0]) == "Concat"]
+        assert any(n.op_type == "FusedMatMul" for n in backward.node)
+
+
 def _aten_grouped_mm_translation():
     (translation, *_) = onnx_registry().get_decomps(aten._grouped_mm.default)
     return translation.onnx_function

@@ -7,8 +7,10 @@ and how to feed each graph), `peephole` (the same values in fewer passes over me
 `ignored_rows` (a loss's ignored rows left out of its backward), `few_rows` (rows summed
 into a few rows as one product), `to_onnx` (direct translation), `segment` (the backward cut
 into graphs run in order, to free the stash as it goes), `node_order` (the backward as ORT
-is to run it, in its nodes' order). `capture` runs the stages up to `few_rows`, `export` the
-last three; in between, `fingerprint` keys the on-disk cache."""
+is to run it, in its nodes' order), then rewrites of the ONNX graphs that spare ORT copies
+(`gelu`, `stacked_products`, `reshaped_outputs`, `identity_outputs`). `capture` runs the
+stages up to `few_rows`, `export` the rest; in between, `fingerprint` keys the on-disk
+cache."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from lazygrad.capture import (
     python_random,
     reshaped_outputs,
     segment,
+    stacked_products,
     symbols,
     tidy,
     to_onnx,
@@ -294,7 +297,8 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         final = reshaped_outputs.final_outputs(backward)
         backward, *cut = (
             identity_outputs.made_by_their_source(reshaped_outputs.unreshaped_outputs(
-                gelu.fuse_erf_gelu(node_order.fuse_transposed_matmuls(graph)), final))
+                gelu.fuse_erf_gelu(stacked_products.made_transposed(
+                    node_order.fuse_transposed_matmuls(graph))), final))
             for graph in (backward, *cut)
         )
     return Graphs(
