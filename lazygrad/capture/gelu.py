@@ -16,7 +16,7 @@ import math
 import onnx
 import onnx.helper
 
-from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain
+from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain, is_standard
 from lazygrad.capture.onnx_constants import scalar_constants
 
 
@@ -57,16 +57,16 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
 def _erf_gelu(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto],
               constants: dict[str, float]) -> tuple[str, list[onnx.NodeProto]] | None:
     """(x, the pattern's inner nodes) when `node` is the outer Mul of the exporter's GELU."""
-    if not _is(node, "Mul"):
+    if not is_standard(node, "Mul"):
         return None
     for x, bracket in (node.input, reversed(node.input)):
         half = made_by.get(bracket)
         one_plus = _operand(half, "Mul", 0.5, made_by, constants)
         erf = _operand(one_plus, "Add", 1.0, made_by, constants)
-        if not _is(erf, "Erf"):
+        if not is_standard(erf, "Erf"):
             continue
         scaled = made_by.get(erf.input[0])
-        if _is(scaled, "Div") and scaled.input[0] == x \
+        if is_standard(scaled, "Div") and scaled.input[0] == x \
                 and _near(constants.get(scaled.input[1]), math.sqrt(2.0)):
             return x, [half, one_plus, erf, scaled]
     return None
@@ -76,16 +76,12 @@ def _operand(node: onnx.NodeProto | None, op_type: str, constant: float,
              made_by: dict[str, onnx.NodeProto], constants: dict[str, float]
              ) -> onnx.NodeProto | None:
     """The node making the other operand of `node`, an `op_type` with the scalar `constant`."""
-    if not _is(node, op_type):
+    if not is_standard(node, op_type):
         return None
     for this, other in (node.input, reversed(node.input)):
         if _near(constants.get(this), constant):
             return made_by.get(other)
     return None
-
-
-def _is(node: onnx.NodeProto | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _near(value: float | None, wanted: float) -> bool:

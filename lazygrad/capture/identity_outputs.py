@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import onnx
 
+from lazygrad.capture.node_order import is_standard
 from lazygrad.capture.reshaped_outputs import outputs_made_by_sources
 
 
@@ -31,11 +32,11 @@ def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
     passed: list[onnx.NodeProto] = []  # the Expands looked through
     for value in graph.output:
         node = made_by.get(value.name)
-        if node is None or not _is(node, "Identity"):
+        if node is None or not is_standard(node, "Identity"):
             continue
         source = node.input[0]
         expands = []
-        while source in made_by and _is(made_by[source], "Expand") \
+        while source in made_by and is_standard(made_by[source], "Expand") \
                 and shapes.get(made_by[source].input[0]) == shapes.get(source) is not None:
             expands.append(made_by[source])
             source = made_by[source].input[0]
@@ -55,10 +56,6 @@ def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _read(graph: onnx.GraphProto, dropped: set[int]) -> set[str]:
     return {name for node in graph.node if id(node) not in dropped for name in node.input}
-
-
-def _is(node: onnx.NodeProto, op_type: str) -> bool:
-    return node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _shape(value: onnx.ValueInfoProto) -> tuple | None:

@@ -425,8 +425,7 @@ def accumulate_rows(
         values = values.movedim(tuple(range(dim, dim + index.dim())), tuple(range(index.dim())))
         return accumulate_rows(self.movedim(dim, 0), [index], values, True).movedim(0, dim)
     tail = self.shape[1:]
-    rows = index.reshape(-1).to(torch.int64)
-    rows = torch.where(rows < 0, rows + self.shape[0], rows)
+    rows = _from_the_end(index.reshape(-1).to(torch.int64), self.shape[0])
     source = values.expand(*index.shape, *tail).reshape(rows.shape[0], *tail)
     return self.scatter_add(0, rows.reshape(-1, *([1] * len(tail))).expand(source.shape), source)
 
@@ -445,10 +444,14 @@ def gather_rows(self: torch.Tensor, indices: list[torch.Tensor | None]) -> torch
         return NotImplemented
     dim = positions[0]
     index = indices[dim]
-    ids = index.reshape(-1)
-    ids = torch.where(ids < 0, ids + self.shape[dim], ids)
-    picked = self.index_select(dim, ids)
+    picked = self.index_select(dim, _from_the_end(index.reshape(-1), self.shape[dim]))
     return picked.view(*self.shape[:dim], *index.shape, *self.shape[dim + 1:])
+
+
+def _from_the_end(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices into `size` elements, negative ones counted from the end, as indexing takes them
+    (`index_select`, `scatter_add` and ONNX's Gather and ScatterElements would not)."""
+    return torch.where(ids < 0, ids + size, ids)
 
 
 def stable_sort(

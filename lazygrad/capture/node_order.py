@@ -19,11 +19,24 @@ with these two, 139 with both and the graph's order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx
 import onnx.helper
 import onnx.inliner
 
 ORT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (FusedMatMul, Gelu), CPU and CUDA
+
+
+def is_standard(node: onnx.NodeProto | None, op_type: str) -> bool:
+    """Whether `node` is the standard ONNX operator `op_type` (not a contrib op of that name)."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of `node`'s attribute `name` (a list for `ints`), or `default` where unset."""
+    found = [a for a in node.attribute if a.name == name]
+    return onnx.helper.get_attribute_value(found[0]) if found else default
 
 
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -38,7 +51,7 @@ def fuse_transposed_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
     made_by = {output: node for node in graph.node for output in node.output}
     nodes, fused = [], 0
     for node in graph.node:
-        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+        if is_standard(node, "MatMul"):
             (a, trans_a), (b, trans_b) = (_untransposed(name, made_by) for name in node.input)
             if trans_a or trans_b:
                 node = onnx.helper.make_node(
@@ -67,9 +80,9 @@ def _untransposed(name: str, made_by: dict[str, onnx.NodeProto]) -> tuple[str, i
     """(the tensor to read, 1 if it is to be read transposed): `name`'s Transpose input when
     `name` is a Transpose that swaps only the last two dimensions."""
     node = made_by.get(name)
-    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+    if not is_standard(node, "Transpose"):
         return name, 0
-    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    perm = attribute(node, "perm")
     rank = len(perm) if perm else 0
     swaps_last_two = rank >= 2 and perm == [*range(rank - 2), rank - 1, rank - 2]
     return (node.input[0], 1) if swaps_last_two else (name, 0)

@@ -17,10 +17,8 @@ import collections
 import onnx
 import onnx.helper
 
-from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain
+from lazygrad.capture.node_order import ORT_DOMAIN, attribute, import_ort_domain, is_standard
 from lazygrad.capture.onnx_constants import scalar_constants
-
-_STANDARD = ("", "ai.onnx")
 
 
 def made_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -38,10 +36,10 @@ def made_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     dropped: set[int] = set()
     reshaped: set[str] = set()  # values whose shapes change: their value_info goes
     for node in graph.node:
-        if not _is(node, "Transpose", _STANDARD) or _ints(node, "perm") != [0, 2, 1]:
+        if not is_standard(node, "Transpose") or attribute(node, "perm") != [0, 2, 1]:
             continue
         stack = made_by.get(node.input[0])
-        if stack is None or not _is(stack, "Concat", _STANDARD) or _int(stack, "axis") != 0 \
+        if not is_standard(stack, "Concat") or attribute(stack, "axis") != 0 \
                 or reads[stack.output[0]] != 1:
             continue
         products = [_product_under(name, made_by, reads, zeros) for name in stack.input]
@@ -76,35 +74,25 @@ def _product_under(name: str, made_by: dict, reads: collections.Counter, zeros: 
     """The product P of `name` = Unsqueeze(P, [0]), P 2-D (the stack is 3-D) and read by the
     Unsqueeze alone, which only the stack reads; else None."""
     unsqueeze = made_by.get(name)
-    if unsqueeze is None or not _is(unsqueeze, "Unsqueeze", _STANDARD) or reads[name] != 1 \
+    if not is_standard(unsqueeze, "Unsqueeze") or reads[name] != 1 \
             or len(unsqueeze.input) != 2 or unsqueeze.input[1] not in zeros:
         return None
     product = made_by.get(unsqueeze.input[0])
     if product is None or reads[unsqueeze.input[0]] != 1:
         return None
-    if _is(product, "MatMul", _STANDARD):
+    if is_standard(product, "MatMul"):
         return product
-    plain = all(_int(product, flag) in (None, 0) for flag in ("transBatchA", "transBatchB"))
-    return product if _is(product, "FusedMatMul", (ORT_DOMAIN,)) and plain else None
+    plain = all(attribute(product, flag, 0) == 0 for flag in ("transBatchA", "transBatchB"))
+    fused = product.op_type == "FusedMatMul" and product.domain == ORT_DOMAIN
+    return product if fused and plain else None
 
 
 def _transposed(product: onnx.NodeProto) -> onnx.NodeProto:
     """A FusedMatMul computing `product`'s transpose: op(B)^T op(A)^T."""
-    trans_a, trans_b = _int(product, "transA") or 0, _int(product, "transB") or 0
-    alpha = next((a.f for a in product.attribute if a.name == "alpha"), 1.0)
+    trans_a, trans_b = attribute(product, "transA", 0), attribute(product, "transB", 0)
+    alpha = attribute(product, "alpha", 1.0)
     a, b = product.input
     return onnx.helper.make_node(
         "FusedMatMul", [b, a], list(product.output), name=product.name, domain=ORT_DOMAIN,
         transA=1 - trans_b, transB=1 - trans_a, alpha=alpha)
 
-
-def _is(node: onnx.NodeProto, op_type: str, domains: tuple[str, ...]) -> bool:
-    return node.op_type == op_type and node.domain in domains
-
-
-def _int(node: onnx.NodeProto, name: str) -> int | None:
-    return next((a.i for a in node.attribute if a.name == name), None)
-
-
-def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
-    return next((list(a.ints) for a in node.attribute if a.name == name), None)
