@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from lazygrad.capture import (
     backward_hooks,
+    broadcast_products,
     checks,
     data_lengths,
     escapes,
@@ -239,6 +240,7 @@ def capture(
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 few_rows.rewrite(gm)
+                broadcast_products.rewrite(gm)
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph
