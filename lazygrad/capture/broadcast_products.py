@@ -38,10 +38,13 @@ def rewrite(gm: fx.GraphModule) -> int:
     many."""
     fired = 0
     for node in list(gm.graph.nodes):
-        if node.target is aten.sum.dim_IntList:
-            fired += _as_matmul(gm.graph, node)
-        elif node.target is aten.mul.Tensor:
-            fired += _as_selected_products(gm.graph, node)
+        rewritten = {aten.sum.dim_IntList: _as_matmul,
+                     aten.mul.Tensor: _as_selected_products}.get(node.target)
+        if rewritten is not None:
+            try:
+                fired += rewritten(gm.graph, node)
+            except Exception:  # a question on sizes the trace cannot answer: left as it is
+                continue
     if fired:
         rebuilt(gm)
     return fired
@@ -87,7 +90,7 @@ def _padded(value: Any, rank: int) -> list[Any] | None:
 
 
 def _broadcasts_to(sizes: list[Any], shape: Any) -> bool:
-    return all(size == 1 or known(size == out) for size, out in zip(sizes, shape))
+    return all(_is_one(size) or known(size == out) for size, out in zip(sizes, shape))
 
 
 def _full(sizes: list[Any], shape: Any, dim: int) -> bool:
@@ -96,7 +99,12 @@ def _full(sizes: list[Any], shape: Any, dim: int) -> bool:
 
 
 def _unit(shape: Any, dim: int) -> bool:
-    return isinstance(shape[dim], int) and shape[dim] == 1
+    return _is_one(shape[dim])
+
+
+def _is_one(size: Any) -> bool:
+    """A size known to be 1 (never a question to a symbol: one `nonzero` counts is unbacked)."""
+    return isinstance(size, int) and size == 1
 
 
 def _as_matmul(graph: fx.Graph, total: fx.Node) -> bool:
