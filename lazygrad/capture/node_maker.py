@@ -1,10 +1,11 @@
 """New nodes for a rewrite of a partitioned graph, with their values' metadata.
 
-The rewrites after the partition (`ignored_rows.py`, `few_rows.py`) add ops the trace did not
-make; the stages after them (export, segmenting) read each node's fake value, so a new node's
-value is computed on the graph's own fake tensors, under its shape environment, where a size
-may be a symbol (a batch) or a number the graph computes (`nonzero`'s count). A rewrite that
-fails half-way erases what it made: the graph stays as it was, never the model in parts.
+The rewrites after the partition (`ignored_rows.py`, `few_rows.py`, `broadcast_products.py`)
+add ops the trace did not make; the stages after them (export, segmenting) read each node's
+fake value, so a new node's value is computed on the graph's own fake tensors, under its shape
+environment, where a size may be a symbol (a batch) or a number the graph computes (`nonzero`'s
+count). A rewrite that fails half-way erases what it made: the graph stays as it was, never the
+model in parts.
 """
 
 from __future__ import annotations
