@@ -98,12 +98,9 @@ def _full(sizes: list[Any], shape: Any, dim: int) -> bool:
     return known(sizes[dim] == shape[dim])
 
 
-def _unit(shape: Any, dim: int) -> bool:
-    return _is_one(shape[dim])
-
-
 def _is_one(size: Any) -> bool:
-    """A size known to be 1 (never a question to a symbol: one `nonzero` counts is unbacked)."""
+    """A size that is the number 1; a symbol is not asked (one that `nonzero` counts has no
+    value to guard on: asking raises)."""
     return isinstance(size, int) and size == 1
 
 
@@ -155,7 +152,7 @@ def _roles(a_sizes: list[Any], b_sizes: list[Any], shape: Any, summed: set[int]
            ) -> _Roles | None:
     batch, contracted, own = [], [], {0: [], 1: []}
     for dim in range(len(shape)):
-        if _unit(shape, dim):
+        if _is_one(shape[dim]):
             continue  # squeezed from both, put back where the result has it
         full = [_full(sizes, shape, dim) for sizes in (a_sizes, b_sizes)]
         if all(full):
@@ -252,6 +249,6 @@ def _picked(make: Maker, at: fx.Node, operand: fx.Node, rank: int, dim: int, ind
     own = dim - (rank - value_of(operand).dim())
     if own < 0:
         return operand
-    if _unit(value_of(operand).shape, own):
+    if _is_one(value_of(operand).shape[own]):
         return make(at, aten.squeeze.dim, operand, own)  # a Gather in ONNX, as a select
     return make(at, aten.select.int, operand, own, index)
