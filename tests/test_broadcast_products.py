@@ -166,3 +166,37 @@ def test_a_dense_moe_layer_trains_like_eager_through_ort(fired):
     assert stats.fallbacks == 0 and stats.builds >= 2
     # Each build: the forward's mixing; the backward's weight gradient and experts' parts.
     assert [count for count in fired if count] == [1, 2] * stats.builds
+
+
+class BroadcastAttention(torch.nn.Module):
+    """Attention written with broadcasting instead of matmuls (`(q[:, :, None] * k[:, None])
+    .sum(-1)`): both products and their gradients are contractions, some of an operand read
+    transposed."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) / q.shape[-1] ** 0.5
+        weights = scores.softmax(-1)
+        return (weights.unsqueeze(-1) * v.unsqueeze(1)).sum(2)
+
+
+def test_attention_written_with_broadcasts_trains_like_eager_through_ort(fired):
+    torch.manual_seed(0)
+    eager = BroadcastAttention()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, length in enumerate([5, 5, 9, 3]):  # the length becomes a symbol
+        x = torch.randn(2, length, 8)
+        outputs = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            outputs.append(model(x))
+            outputs[-1].pow(2).sum().backward()
+        assert_close(outputs[1], outputs[0], f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+    # Each build: the forward's two products; the backward's four.
+    assert [count for count in fired if count] == [2, 4] * lazygrad.stats(lazy).builds
