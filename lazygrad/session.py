@@ -292,9 +292,20 @@ def _providers(device: torch.device) -> list:
         stream = torch.cuda.current_stream(index).cuda_stream
         # ORT computes on torch's current stream, so no extra synchronisation is needed between
         # torch producing an input and ORT reading it, nor ORT writing and torch reading.
-        options = {"device_id": str(index), "user_compute_stream": str(stream)}
+        options = {"device_id": str(index), "user_compute_stream": str(stream),
+                   "use_tf32": tf32_option()}
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
     raise RuntimeError(f"lazygrad: unsupported device {device}; expected cpu or cuda")
+
+
+def tf32_option() -> str:
+    """The CUDA provider's `use_tf32`, as torch computes float32 matmuls now. ORT's CUDA
+    provider multiplies float32 matrices (and runs cuDNN convolutions) in TF32 by default on
+    Ampere and later GPUs, 10 bits of mantissa, where torch's float32 matmuls are IEEE unless
+    the user allows TF32 (`torch.backends.cuda.matmul.allow_tf32`,
+    `torch.set_float32_matmul_precision("high")`): a gradient through ORT would be off by
+    about 1e-3 of eager's. Read when a session is made."""
+    return "1" if torch.backends.cuda.matmul.allow_tf32 else "0"
 
 
 def _ort_device(device: torch.device) -> ort_c.OrtDevice:

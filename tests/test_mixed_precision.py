@@ -206,3 +206,13 @@ def test_bfloat16_on_cpu_falls_back_whole_with_the_reason():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(lazy.parameters(), eager.parameters()))
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 1 and stats.hits == 0
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_cuda_sessions_use_tf32_exactly_where_torchs_matmuls_do(monkeypatch, allowed):
+    """ORT's CUDA provider multiplies float32 matrices in TF32 by default (Ampere and later);
+    torch does so only where the user allows it. The provider is told torch's setting."""
+    from lazygrad import session
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allowed)
+    assert session.tf32_option() == ("1" if allowed else "0")
