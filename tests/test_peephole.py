@@ -123,3 +123,45 @@ def test_language_model_head_runs_rewritten_through_ort_with_eager_gradients(mas
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits >= 2
     assert sum(fired) == 4  # the backward's cross-entropy, rewritten
+
+
+class Powers(torch.nn.Module):
+    """Each exponent ATen computes by another op, of a parameter's values (so that each has a
+    gradient, whose formula reads `pow(x, e - 1)`: 1 among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(64) + 0.5)
+
+    def forward(self, x):
+        y = x.abs() * self.scale + 0.1
+        return y.pow(0.5), y.pow(-0.5), y.pow(-1), y.pow(-2), y.pow(2), y.pow(1.0) * 3
+
+
+def test_powers_run_through_ort_as_aten_computes_them_to_the_bit(monkeypatch):
+    """ORT's Pow takes std::pow for these exponents (slow); the ops ATen computes them with
+    give eager's values exactly, but the square root: ORT's, as its Pow, is an ulp from
+    torch's on some elements."""
+    fired = []
+    rule = peephole.powers_as_aten_computes
+    monkeypatch.setattr(peephole, "RULES", [
+        r if r is not rule else (lambda graph, node: fired.append(rule(graph, node)) or fired[-1])
+        for r in peephole.RULES])
+    torch.manual_seed(0)
+    eager = Powers()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step in range(3):
+        x = torch.randn(32, 64) * 10 ** torch.randint(-3, 4, (32, 1)).float()
+        outputs = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            sum(o.sum() for o in out).backward()
+            outputs.append(out)
+        square_root, *others = zip(outputs[1], outputs[0])
+        torch.testing.assert_close(*square_root, rtol=1.2e-7, atol=0)
+        for got, expected in others:
+            assert torch.equal(got, expected), f"step {step}"
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert lazygrad.stats(lazy).fallbacks == 0
+    assert sum(fired) >= 5  # the forward's five, and the backward's `pow(y, 1)` at least

@@ -25,6 +25,14 @@ the targets), through rules that each state an identity on values, not on deriva
   pass, within an ulp or two (exp(x - m) / s rounds otherwise than exp(x - m - log s)), as
   ORT's kernels are of eager's anyway: the exactness tests, 50 training steps among them, hold.
 
+- `pow(x, e)` for e in 1, 0.5, -0.5, -1 and -2 is computed as torch computes it, by `x`
+  itself, `sqrt`, `rsqrt`, `reciprocal` and `reciprocal(x * x)` (ATen's special cases): ORT's
+  Pow runs these exponents through `std::pow`, 5 ns an element on one thread (177 us over
+  [4, 64, 128] against 9 us for the value itself). Every RMSNorm's backward has one,
+  `pow(x, 2)`'s derivative `2 * x.pow(1)`. The same bits as eager's, except the square root:
+  ORT's Sqrt, like its Pow, is one ulp from torch's on about a sixth of the elements (10 times
+  faster). ORT's Pow already computes exponents 2 and 3 as products, as torch does.
+
 A rule fires only where the shapes prove its condition (symbolic sizes compared from what the
 trace knows, adding no assumption). The results of the other rules equal the FX graph's up to
 the sign of a zero, and the check (verify.py) runs the rewritten graphs against eager's values
@@ -190,9 +198,41 @@ def softmax_for_exp(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
+# Exponents ATen computes by other ops than `pow` (its CPU and CUDA kernels' special cases),
+# each as its op; `x` alone for 1 (a copy in ATen, ORT drops the Identity).
+_POWERS: dict[float, Callable[[fx.Graph, fx.Node, fx.Node], fx.Node]] = {
+    1.0: lambda graph, node, x: _call(graph, node, aten.clone.default, (x,), node),
+    0.5: lambda graph, node, x: _call(graph, node, aten.sqrt.default, (x,), node),
+    -0.5: lambda graph, node, x: _call(graph, node, aten.rsqrt.default, (x,), node),
+    -1.0: lambda graph, node, x: _call(graph, node, aten.reciprocal.default, (x,), node),
+    -2.0: lambda graph, node, x: _call(graph, node, aten.reciprocal.default, (
+        _call(graph, node, aten.mul.Tensor, (x, x), node),), node),
+}
+
+
+def powers_as_aten_computes(graph: fx.Graph, node: fx.Node) -> bool:
+    """pow(x, e) -> the op ATen computes it with, for the exponents of `_POWERS`, on float32
+    and float64 tensors."""
+    if node.target is not aten.pow.Tensor_Scalar or len(node.args) != 2 or node.kwargs:
+        return False
+    x, exponent = node.args
+    if not isinstance(x, fx.Node) or isinstance(exponent, bool) \
+            or not isinstance(exponent, (int, float)) or float(exponent) not in _POWERS:
+        return False
+    value, out = _val(x), _val(node)
+    if value is None or out is None or value.dtype not in (torch.float32, torch.float64) \
+            or out.dtype != value.dtype:
+        return False
+    made = _POWERS[float(exponent)](graph, node, x)
+    node.replace_all_uses_with(made)
+    graph.erase_node(node)
+    return True
+
+
 RULES: list[Callable[[fx.Graph, fx.Node], bool]] = [
     _scale_scattered_value,
     _sum_of_one_per_row,
     _subtract_from_one_per_row,
     softmax_for_exp,
+    powers_as_aten_computes,
 ]
