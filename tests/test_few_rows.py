@@ -208,3 +208,60 @@ def test_a_forward_pooling_rows_into_a_few_trains_like_eager(fired):
         assert_grads_equal(lazy, eager, f"step {step}")
     assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
     assert [count for count in fired if count] == [2] * lazygrad.stats(lazy).builds
+
+
+def _one_row_rewritten(function, *inputs):
+    """Traced at these sizes (the capture's row sizes are numbers: a batch is the symbol)."""
+    gm = make_fx(function, tracing_mode="fake")(*inputs)
+    traced = copy.deepcopy(gm)
+    return traced, gm, few_rows.rewrite(gm)
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_a_sum_over_the_leading_dimensions_is_a_product_by_ones(keepdim):
+    """A bias's gradient (`sum(grad, [0, 1])`): every row summed into one, `ones @ rows`, the
+    same terms in a matmul's order; infinities and NaN where eager's sum has them."""
+    def bias_gradient(grad):
+        return grad.sum((0, 1), keepdim=keepdim)
+
+    _, gm, fired = _one_row_rewritten(bias_gradient, torch.randn(8, 40, 64))
+    assert fired == 1 and aten.mm.default in [n.target for n in gm.graph.nodes]
+    for seed in range(3):
+        grad = torch.randn(8, 40, 64, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(gm(grad), bias_gradient(grad), rtol=1e-5, atol=1e-5)
+    grad = torch.randn(8, 40, 64)
+    grad[1, 2, 3], grad[4, 5, 3], grad[0, 0, 9] = float("inf"), float("-inf"), float("nan")
+    grad[2, 2, 10] = float("inf")
+    got, expected = gm(grad), bias_gradient(grad)
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
+    assert expected.isnan().sum() == 2 and expected.isinf().sum() == 1
+
+
+@pytest.mark.parametrize("shape, dims", [
+    ((8, 40, 64), (1,)),  # not the leading dimensions
+    ((8, 40, 64), (0, 1, 2)),  # every dimension: no row left
+    ((16, 32), (0,)),  # 512 elements: ORT's ReduceSum is as fast
+])
+def test_other_sums_stay_sums(shape, dims):
+    traced, gm, fired = _one_row_rewritten(lambda x: x.sum(dims), torch.randn(*shape))
+    assert fired == 0 and str(gm.graph) == str(traced.graph)
+
+
+def test_bias_gradients_through_ort_are_eagers(fired):
+    """A two-layer MLP over [batch, tokens, features]: its biases' gradients are sums over the
+    leading dimensions, each rewritten in the backward, eager's gradients, over changing
+    batches (the batch a symbol)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, batch in enumerate([4, 4, 6, 9]):
+        x = torch.randn(batch, 80, 64)
+        outputs = []
+        for model in (eager, lazy):
+            model.zero_grad(set_to_none=True)
+            outputs.append(model(x))
+            outputs[-1].pow(2).mean().backward()
+        assert_close(outputs[1], outputs[0], f"step {step}: output")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+    assert [count for count in fired if count] == [2] * lazygrad.stats(lazy).builds

@@ -4,14 +4,14 @@ own derivative formulas.
 The stages, each callable alone: `trace` (AOTAutograd over functional_call on fake tensors),
 `partition` (forward/backward split per policy, random draws lifted out), `tidy` (ONNX-friendly,
 and how to feed each graph), `peephole` (the same values in fewer passes over memory),
-`ignored_rows` (a loss's ignored rows left out of its backward), `few_rows` (rows summed
-into a few rows as one product), `broadcast_products` (products whose operands broadcast,
-without the broadcast result), `to_onnx` (direct translation), `segment` (the backward cut
-into graphs run in order, to free the stash as it goes), `node_order` (the backward as ORT
-is to run it, in its nodes' order), then rewrites of the ONNX graphs that spare ORT copies
-(`gelu`, `stacked_products`, `reshaped_outputs`, `identity_outputs`). `capture` runs the
-stages up to `broadcast_products`, `export` the rest; in between, `fingerprint` keys the on-disk
-cache."""
+`ignored_rows` (a loss's ignored rows left out of its backward), `broadcast_products`
+(products whose operands broadcast, without the broadcast result), `few_rows` (rows summed
+into a few rows, or one, as one product), `to_onnx` (direct translation), `segment` (the
+backward cut into graphs run in order, to free the stash as it goes), `node_order` (the
+backward as ORT is to run it, in its nodes' order), then rewrites of the ONNX graphs that
+spare ORT copies (`gelu`, `stacked_products`, `reshaped_outputs`, `identity_outputs`).
+`capture` runs the stages up to `few_rows`, `export` the rest; in between, `fingerprint` keys
+the on-disk cache."""
 
 from __future__ import annotations
 
@@ -240,8 +240,8 @@ def capture(
             ignored_rows.rewrite(tidied.backward, ignored_rows.first_call_inputs(tidied, primals))
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
-                few_rows.rewrite(gm)
                 broadcast_products.rewrite(gm)
+                few_rows.rewrite(gm)
     except CaptureError:
         raise
     except Exception as error:  # a graph shape this code has not met: never a wrong graph

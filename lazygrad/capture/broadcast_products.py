@@ -1,4 +1,4 @@
-"""Stage 3e: products whose operands broadcast, computed without the broadcast result.
+"""Stage 3d: products whose operands broadcast, computed without the broadcast result.
 
 A product of operands that broadcast against each other (`expert_out * weights.unsqueeze(-2)`,
 summed over the experts: a dense Mixture-of-Experts layer's mixing; its backward's
@@ -11,7 +11,8 @@ step. Two rewrites of the same values, each where a product broadcasts:
 - summed over a dimension both operands have (a contraction): one matmul, batched over the
   dimensions both keep, which never makes the product (`sum(x[..., m, k] * w[..., None, k], -1)`
   is `x @ w[..., :, None]`). The same products, added in a matmul's order (a sum's roundings),
-  in float32 only (a half product would be rounded before its sum in eager).
+  in float32 on the CPU only (a half product would be rounded before its sum in eager; on CUDA
+  a float32 matmul runs in TF32 where the user allows it, and CUDA's broadcasts are fast).
 - read only by `select`s along one dimension (`stack`'s backward picks each expert's part):
   each selection is the product of the operands' selections, the same values, and the whole
   product is never made.
@@ -117,7 +118,8 @@ def _as_matmul(graph: fx.Graph, total: fx.Node) -> bool:
         return False
     a, b, a_sizes, b_sizes = found
     out = value_of(product)
-    if not all(value_of(node).dtype == torch.float32 for node in (a, b, product)):
+    if not all(value_of(node).dtype == torch.float32 for node in (a, b, product)) \
+            or out.device.type != "cpu":
         return False
     rank = out.dim()
     summed = {dim % rank for dim in total.args[1]} if total.args[1] else set(range(rank))
