@@ -73,6 +73,8 @@ def _operands(product: fx.Node) -> tuple[fx.Node, fx.Node, list[Any], list[Any]]
 
 
 def _through_expand(operand: fx.Node, other: fx.Node, shape: Any) -> fx.Node:
+    """`operand`'s source where it is an `expand` whose sizes the product gets from its
+    operands anyway (each dimension has its whole size in the source or in `other`)."""
     if operand.target is not aten.expand.default or not isinstance(operand.args[0], fx.Node):
         return operand
     source = operand.args[0]

@@ -1,4 +1,4 @@
-"""Stage 3e: rows summed into a few rows as one matrix product.
+"""Stage 3e: rows summed into a few rows, or one, as one matrix product.
 
 An accumulating index_put over the leading dimension (the backward of `weight[ids]`, of an
 embedding) is `scatter_add(base, 0, expand(ids.view(-1, 1, ...)), src)` after
@@ -53,7 +53,8 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def rewrite(gm: fx.GraphModule) -> int:
-    """Turn each sum of rows into few rows of `gm` into a product, in place; how many."""
+    """Turn each sum of rows into few rows (or one) of `gm` into a product, in place; how
+    many."""
     fired = 0
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and node.target is aten.scatter_add.default:
@@ -142,7 +143,6 @@ def _product(make: Maker, node: fx.Node, base: fx.Node, ids: fx.Node, src: fx.No
                         [-1, width])
     scattered = make(node, aten.scatter_add.default, summed, 0, picked_index, picked_src)
     return make(node, aten.view.default, scattered, [rows, *row_shape])
-
 
 
 def _one_row(graph: fx.Graph, total: fx.Node) -> bool:
