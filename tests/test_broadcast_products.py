@@ -14,7 +14,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import lazygrad
 from lazygrad.capture import broadcast_products
 from lazygrad.examples.models import MoELayer
-from tests.conftest import assert_close, assert_grads_equal, counted_rewrites, ran_through_ort
+from tests.conftest import (
+    assert_close,
+    assert_grads_equal,
+    counted_rewrites,
+    ran_through_ort,
+    squares_step_like_eager,
+)
 
 aten = torch.ops.aten
 
@@ -189,14 +195,7 @@ def test_attention_written_with_broadcasts_trains_like_eager_through_ort(fired):
     eager = BroadcastAttention()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     for step, length in enumerate([5, 5, 9, 3]):  # the length becomes a symbol
-        x = torch.randn(2, length, 8)
-        outputs = []
-        for model in (eager, lazy):
-            model.zero_grad(set_to_none=True)
-            outputs.append(model(x))
-            outputs[-1].pow(2).sum().backward()
-        assert_close(outputs[1], outputs[0], f"step {step}: output")
-        assert_grads_equal(lazy, eager, f"step {step}")
-    assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+        last = squares_step_like_eager(lazy, eager, (torch.randn(2, length, 8),), f"step {step}")
+    assert ran_through_ort([last]) and lazygrad.stats(lazy).fallbacks == 0
     # Each build: the forward's two products; the backward's four.
     assert [count for count in fired if count] == [2, 4] * lazygrad.stats(lazy).builds

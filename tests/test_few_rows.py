@@ -12,7 +12,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import lazygrad
 from lazygrad.capture import few_rows, lowerings
-from tests.conftest import assert_close, assert_grads_equal, counted_rewrites, ran_through_ort
+from tests.conftest import (
+    assert_close,
+    assert_grads_equal,
+    counted_rewrites,
+    ran_through_ort,
+    sum_step_like_eager,
+)
 
 aten = torch.ops.aten
 
@@ -255,13 +261,7 @@ def test_bias_gradients_through_ort_are_eagers(fired):
     eager = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     for step, batch in enumerate([4, 4, 6, 9]):
-        x = torch.randn(batch, 80, 64)
-        outputs = []
-        for model in (eager, lazy):
-            model.zero_grad(set_to_none=True)
-            outputs.append(model(x))
-            outputs[-1].pow(2).mean().backward()
-        assert_close(outputs[1], outputs[0], f"step {step}: output")
-        assert_grads_equal(lazy, eager, f"step {step}")
-    assert ran_through_ort([outputs[1]]) and lazygrad.stats(lazy).fallbacks == 0
+        last = sum_step_like_eager(lazy, eager, (torch.randn(batch, 80, 64),), f"step {step}",
+                                   lambda out: out.pow(2).mean())
+    assert ran_through_ort([last]) and lazygrad.stats(lazy).fallbacks == 0
     assert [count for count in fired if count] == [2] * lazygrad.stats(lazy).builds

@@ -22,6 +22,7 @@ An `expand` an operand comes from is read through: the product broadcasts it any
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,13 +40,14 @@ def rewrite(gm: fx.GraphModule) -> int:
     many."""
     fired = 0
     for node in list(gm.graph.nodes):
-        rewritten = {aten.sum.dim_IntList: _as_matmul,
-                     aten.mul.Tensor: _as_selected_products}.get(node.target)
-        if rewritten is not None:
-            try:
-                fired += rewritten(gm.graph, node)
-            except Exception:  # a question on sizes the trace cannot answer: left as it is
-                continue
+        rewritten = _REWRITES.get(node.target)
+        if rewritten is None:
+            continue
+        make = Maker(gm.graph, node)
+        try:
+            fired += rewritten(make, node)
+        except Exception:  # sizes the trace cannot answer, shapes this code did not expect:
+            make.undo()  # the node stays as it was
     if fired:
         rebuilt(gm)
     return fired
@@ -107,9 +109,9 @@ def _is_one(size: Any) -> bool:
     return isinstance(size, int) and size == 1
 
 
-def _as_matmul(graph: fx.Graph, total: fx.Node) -> bool:
+def _as_matmul(make: Maker, total: fx.Node) -> bool:
     """`sum(a * b, dims)` as one matmul where the product broadcasts and `dims` holds one
-    dimension both operands have; False, the graph as it was, elsewhere."""
+    dimension both operands have; False, the graph as it was, elsewhere (or it raises)."""
     if total.kwargs or len(total.args) not in (2, 3) or not isinstance(total.args[0], fx.Node):
         return False
     product = total.args[0]
@@ -129,14 +131,9 @@ def _as_matmul(graph: fx.Graph, total: fx.Node) -> bool:
     roles = _roles(a_sizes, b_sizes, out.shape, summed)
     if roles is None:
         return False
-    make = Maker(graph, product)
-    try:
-        made = _matmul(make, total, a, b, roles, rank, summed, keep)
-        if not same_shape(value_of(made), value_of(total)):
-            raise ValueError("the matmul's result differs in shape")
-    except Exception:  # shapes this code did not expect: the product stays
-        make.undo()
-        return False
+    made = _matmul(make, total, a, b, roles, rank, summed, keep)
+    if not same_shape(value_of(made), value_of(total)):
+        raise ValueError("the matmul's result differs in shape")
     total.replace_all_uses_with(made)
     return True
 
@@ -212,10 +209,11 @@ def _matrix(make: Maker, at: fx.Node, operand: fx.Node, rank: int, roles: _Roles
     return operand if in_order else make(at, aten.transpose.int, operand, -2, -1)
 
 
-def _as_selected_products(graph: fx.Graph, product: fx.Node) -> bool:
+def _as_selected_products(make: Maker, product: fx.Node) -> bool:
     """Each `select(a * b, dim, i)` that reads a broadcasting product, as `select(a, dim, i)
     * select(b, dim, i)` (an operand broadcast there: its only element); where every reader of
-    the product is such a select on one dimension, so that the product is never made."""
+    the product is such a select on one dimension, so that the product is never made (or it
+    raises)."""
     readers = list(product.users)
     if not readers or any(r.target is not aten.select.int or r.kwargs for r in readers):
         return False
@@ -228,19 +226,13 @@ def _as_selected_products(graph: fx.Graph, product: fx.Node) -> bool:
         return False
     (dim,) = dims
     a, b, *_ = found
-    make = Maker(graph, product)
     replaced = []
-    try:
-        for reader in readers:
-            picked = [_picked(make, reader, operand, rank, dim, reader.args[2])
-                      for operand in (a, b)]
-            made = make(reader, aten.mul.Tensor, *picked)
-            if not same_shape(value_of(made), value_of(reader)):
-                raise ValueError("the selected product differs in shape")
-            replaced.append((reader, made))
-    except Exception:  # shapes this code did not expect: the product stays
-        make.undo()
-        return False
+    for reader in readers:
+        picked = [_picked(make, reader, operand, rank, dim, reader.args[2]) for operand in (a, b)]
+        made = make(reader, aten.mul.Tensor, *picked)
+        if not same_shape(value_of(made), value_of(reader)):
+            raise ValueError("the selected product differs in shape")
+        replaced.append((reader, made))
     for reader, made in replaced:
         reader.replace_all_uses_with(made)
     return True
@@ -256,3 +248,10 @@ def _picked(make: Maker, at: fx.Node, operand: fx.Node, rank: int, dim: int, ind
     if _is_one(value_of(operand).shape[own]):
         return make(at, aten.squeeze.dim, operand, own)  # a Gather in ONNX, as a select
     return make(at, aten.select.int, operand, own, index)
+
+
+# The op each rewrite starts from.
+_REWRITES: dict[Any, Callable[[Maker, fx.Node], bool]] = {
+    aten.sum.dim_IntList: _as_matmul,
+    aten.mul.Tensor: _as_selected_products,
+}
