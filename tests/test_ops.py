@@ -979,3 +979,48 @@ def test_ops_give_eagers_values_at_signed_zeros_infinities_and_nan(op):
     assert ran_through_ort([got])
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2, stats.reasons
+
+
+class Slices(torch.nn.Module):
+    """Slices and selects of an activation, as models take them: a rotary embedding's halves,
+    shifted sequences, the first and last tokens, a window past the end, an empty slice and a
+    strided one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        rotated = torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
+        shifted = h[:, 1:] * h[:, :-1]
+        return (h * rotated, shifted, 2 * h[:, -3:], 3 * h[:, 2:100], h[:, 0] * h[:, -1],
+                4 * h[..., ::2], h[:, 5:3].sum() + (5 * h[:, -100:1]).sum())
+
+
+def test_slice_and_select_gradients_are_pads_of_zeros_with_eagers_values():
+    """A slice's gradient (zeros but where the slice was) was a ScatterND between Transposes that
+    move the sliced dimension first (torchlib's `slice_scatter`), 13x a Pad in ORT on a rotary
+    embedding's halves; a select's a ScatterElements through an index as large as the gradient.
+    Both are one Pad now (`lowerings.slice_as_pad`, `select_as_pad`), over changing lengths;
+    the strided slice keeps torch's decomposition."""
+    torch.manual_seed(0)
+    eager = Slices()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    for length in (6, 6, 9, 7):
+        x = torch.randn(2, length, 8)
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        got, want = lazy(x), eager(x)
+        for index, (a, b) in enumerate(zip(got, want)):
+            assert_close(a.detach(), b.detach(), f"length {length}: output {index}")
+        sum((out * out).sum() for out in got).backward()
+        sum((out * out).sum() for out in want).backward()
+        assert_grads_equal(lazy, eager, f"length {length}")
+    assert ran_through_ort(got)
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+    for entry in attach.installed(lazy)._pairs.values():
+        backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
+        assert backward.count("ScatterND") == 1, backward  # the strided slice's
+        assert "ScatterElements" not in backward and backward.count("Pad") == 10, backward
