@@ -175,6 +175,9 @@ OPS = {
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).angle(),
         torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)).abs()),
     "complex_assigned": _complex_assigned,
+    # A complex tensor padded (its pairs' dimension stays 2: complex_pairs._padded).
+    "complex_padded": lambda h: torch.view_as_real(F.pad(
+        torch.view_as_complex(h.reshape(*h.shape[:-1], 4, 2)), (1, 2))).flatten(1),
     "accumulated": _accumulated,
     "einsum": lambda h: _cat(torch.einsum("bchw,bdhw->bcd", h, h), torch.einsum("bcii->bci", h)),
     "max_min_reductions": _max_min_reductions,

@@ -164,7 +164,7 @@ def _padded(emit: _Emit, node: fx.Node) -> fx.Node | None:
     if value != 0:
         return None
     source, pad = node.args[:2]
-    return emit.complex(emit(aten.constant_pad_nd.default, emit.real(source), [*pad, 0, 0]))
+    return emit.complex(emit(aten.constant_pad_nd.default, emit.real(source), [0, 0, *pad]))
 
 
 def _gathered(emit: _Emit, node: fx.Node) -> fx.Node:
