@@ -143,3 +143,30 @@ def test_aten_grouped_mm_without_offsets_keeps_torchlibs_translation():
     a, b = torch.randn(3, 5, 8), torch.randn(3, 8, 4)
     translation = _aten_grouped_mm_translation()
     torch.testing.assert_close(_evaluate(translation, a, b), torch.bmm(a, b))
+
+
+def test_a_nan_stays_in_its_experts_gradient_and_rows_past_the_groups_stay_zero():
+    """A NaN in one expert's input reaches that expert's weight gradient only, as in eager (no
+    product mixes two groups' rows), and rows past the last group are zero even where a weight
+    is infinite."""
+    _transformers_ops()
+    torch.manual_seed(0)
+    model = GroupedExperts()
+    with torch.no_grad():
+        model.weight[3, 0, 0] = float("inf")
+    lazy = lazygrad.lazy(copy.deepcopy(model), wait_for_builds=True)
+    for step in range(3):
+        x = torch.randn(12, 8)
+        x[4, 2] = float("nan")  # a row of the second group
+        offsets = torch.tensor([3, 7, 7, 10], dtype=torch.int32)  # rows 10, 11 past them
+        outputs = []
+        for m in (model, lazy):
+            m.zero_grad(set_to_none=True)
+            outputs.append(m(x, offsets))
+            outputs[-1].sum().backward()
+        torch.testing.assert_close(outputs[1], outputs[0], equal_nan=True)
+        assert not outputs[1][10:].any()
+        torch.testing.assert_close(lazy.weight.grad, model.weight.grad, equal_nan=True)
+        assert lazy.weight.grad[1].isnan().any() and not lazy.weight.grad[0].isnan().any()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2
