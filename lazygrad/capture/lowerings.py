@@ -11,7 +11,10 @@ products; adaptive max pooling (torch decomposes only even windows) into masked 
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
 into scatter_add (`accumulate_rows`); `x[ids]`, which torchlib translates with copies around its
-GatherND, into `index_select` (`gather_rows`); `mv`, whose transposed form ONNX Runtime fuses wrong,
+GatherND, into `index_select` (`gather_rows`); a slice's and a select's gradient, which torch
+writes into zeros by `slice_scatter` and `select_scatter` (translated as a scatter between
+Transposes, and through an index as large as the gradient), into one Pad (`slice_as_pad`,
+`select_as_pad`); `mv`, whose transposed form ONNX Runtime fuses wrong,
 into a matrix product (`matrix_vector`); an unstable sort into the stable one
 (`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
 and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
