@@ -166,3 +166,37 @@ def test_a_channels_last_cnn_trains_through_ort_like_eager(groups):
         torch.nn.Conv2d(8, 4, 1), torch.nn.Flatten(),
     ).to(memory_format=torch.channels_last)
     _three_steps_like_eager(eager, (2, 3, 6, 6), torch.channels_last)
+
+
+class Patches(torch.nn.Module):
+    """Convolutions whose windows tile their input (stride = kernel: vision transformers'
+    patch embeddings, 1-D to 3-D), one over an input its windows do not cover to the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = torch.nn.Conv2d(3, 8, 4, stride=4)
+        self.signal = torch.nn.Conv1d(3, 5, 3, stride=3, bias=False)
+        self.video = torch.nn.Conv3d(3, 4, (1, 2, 2), stride=(1, 2, 2))
+
+    def forward(self, x):
+        return torch.cat([self.image(x).flatten(1), self.signal(x.flatten(2)).flatten(1),
+                          self.video(x.unsqueeze(2)).flatten(1)], 1)
+
+
+def test_a_tiling_convolutions_gradients_are_one_product_each():
+    """A convolution whose windows tile its input: its weight gradient is one product over its
+    patches (a permutation of the input), where it was one product and one window copy per
+    kernel position (a ViT's 16 x 16 patch embedding: 256 of each), and its input gradient one
+    product permuted back (zeros where no window reads), where it was a transposed convolution.
+    Over an input whose last rows and columns no window reads, and one that each covers."""
+    torch.manual_seed(0)
+    for shape in ((2, 3, 18, 17), (2, 3, 16, 16)):
+        eager = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), Patches())
+        lazy = _three_steps_like_eager(eager, shape)
+        (entry,) = attach.installed(lazy)._pairs.values()
+        backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
+        assert not {"Conv", "ConvTranspose"} & set(backward), backward
+        # Three weight gradients and three input gradients of the tiling convolutions, and the
+        # first convolution's weight gradient (9 kernel positions).
+        products = sum(backward.count(op) for op in ("MatMul", "FusedMatMul", "Gemm"))
+        assert products == 6 + 9, backward

@@ -4,7 +4,8 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's op. Such an op
 is lowered here, at trace time, into ops that export: convolution_backward (plain and
-transposed) into convolutions; avg_pool2d_backward and avg_pool3d_backward (every ceil_mode,
+transposed) into convolutions and matrix products (one product each over the patches where the
+windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward (every ceil_mode,
 padding and divisor) into a transposed convolution; avg_pool2d with divisor_override (torchlib
 ignores the override) into a window sum; adaptive average pooling's backward into two matrix
 products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
@@ -72,7 +73,9 @@ def convolution_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     spatial = list(range(2, grad_output.dim()))
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0]:
+    if not transposed and _tiles(weight, stride, padding, dilation, groups):
+        grad_input, grad_weight = _patch_gradients(grad_output, input, weight, output_mask)
+    elif output_mask[0]:
         if transposed:  # the input gradient of a transposed convolution is a convolution
             grad_input = aten.convolution.default(
                 grad_output, weight, None, stride, padding, dilation, False, [0] * len(stride),
@@ -84,7 +87,7 @@ def convolution_backward(
         else:
             grad_input = _input_gradient(grad_output, input, weight, stride, padding, dilation,
                                          groups)
-    if output_mask[1]:
+    if output_mask[1] and grad_weight is None:
         if transposed or groups > 1:
             # A transposed convolution's weight gradient is a convolution's with the roles of
             # its input and output exchanged.
@@ -119,6 +122,73 @@ def _input_gradient(grad_output, input, weight, stride, padding, dilation, group
         full = aten.slice.Tensor(full, 2 + axis, padding[axis],
                                  padding[axis] + input.shape[2 + axis])
     return full
+
+
+def _tiles(weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
+           groups: int) -> bool:
+    """Whether the convolution's windows tile its input, side by side without overlap: stride
+    = kernel, no padding, no dilation, ungrouped (a vision transformer's patch embedding). A
+    1x1 convolution's gradients stay as they were (its one window is the input itself)."""
+    return (groups == 1 and list(stride) == list(weight.shape[2:]) and not any(padding)
+            and all(step == 1 for step in dilation) and math.prod(weight.shape[2:]) > 1)
+
+
+def _patches(input: torch.Tensor, out_sizes: list, kernel: list[int]) -> torch.Tensor:
+    """[batch x positions, C_in x kernel]: each window of a tiling convolution as a row (the
+    input's positions past its last whole window are never read)."""
+    dims = len(kernel)
+    covered = input
+    for axis, size in enumerate(input.shape[2:]):
+        end = out_sizes[axis] * kernel[axis]
+        if not (isinstance(size, int) and isinstance(end, int) and size == end):
+            covered = aten.slice.Tensor(covered, 2 + axis, 0, end)
+    tiled = aten.reshape.default(covered, _tiled_shape(input, out_sizes, kernel))
+    return aten.reshape.default(aten.permute.default(tiled, _to_patches(dims)),
+                                [-1, input.shape[1] * math.prod(kernel)])
+
+
+def _tiled_shape(input: torch.Tensor, out_sizes: list, kernel: list[int]) -> list:
+    """[batch, C, o1, k1, o2, k2, ...]"""
+    return [input.shape[0], input.shape[1],
+            *(size for pair in zip(out_sizes, kernel) for size in pair)]
+
+
+def _to_patches(dims: int) -> list[int]:
+    """The permutation [batch, C, o1, k1, o2, k2, ...] -> [batch, o1, o2, ..., C, k1, k2, ...]."""
+    return [0, *(2 + 2 * axis for axis in range(dims)), 1, *(3 + 2 * axis for axis in range(dims))]
+
+
+def _patch_gradients(grad_output, input, weight, output_mask):
+    """The input and weight gradients of a tiling convolution (`_tiles`) as one matrix product
+    each over its patches (`_patches`: a copy of the input permuted, not gathered window by
+    window). As products per kernel position (`_weight_gradient_by_products`) a ViT's 16 x 16
+    patch embedding was 256 products and as many window copies, and its input gradient a
+    transposed convolution."""
+    dims = grad_output.dim() - 2
+    channels_out, kernel = grad_output.shape[1], list(weight.shape[2:])
+    out_sizes = list(grad_output.shape[2:])
+    grad_input = grad_weight = None
+    if output_mask[1]:
+        channels_first = aten.reshape.default(
+            aten.permute.default(grad_output, [1, 0, *range(2, 2 + dims)]), [channels_out, -1])
+        grad_weight = aten.reshape.default(
+            aten.mm.default(channels_first, _patches(input, out_sizes, kernel)),
+            list(weight.shape))
+    if output_mask[0]:
+        rows = aten.reshape.default(
+            aten.permute.default(grad_output, [0, *range(2, 2 + dims), 1]), [-1, channels_out])
+        columns = aten.mm.default(rows, aten.reshape.default(weight, [channels_out, -1]))
+        tiled = _tiled_shape(input, out_sizes, kernel)
+        to_patches = _to_patches(dims)
+        grad_input = aten.reshape.default(
+            aten.permute.default(aten.reshape.default(columns, [tiled[a] for a in to_patches]),
+                                 [to_patches.index(axis) for axis in range(len(tiled))]),
+            [*input.shape[:2], *(out * k for out, k in zip(out_sizes, kernel))])
+        uncovered = [size - out * k for size, out, k in zip(input.shape[2:], out_sizes, kernel)]
+        if any(not isinstance(size, int) or size for size in uncovered):
+            grad_input = aten.constant_pad_nd.default(
+                grad_input, [side for size in reversed(uncovered) for side in (0, size)], 0.0)
+    return grad_input, grad_weight
 
 
 # Output positions per image up to which an input gradient is one product over the batch and a
