@@ -155,7 +155,7 @@ def test_a_nan_stays_in_its_experts_gradient_and_rows_past_the_groups_stay_zero(
     with torch.no_grad():
         model.weight[3, 0, 0] = float("inf")
     lazy = lazygrad.lazy(copy.deepcopy(model), wait_for_builds=True)
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(12, 8)
         x[4, 2] = float("nan")  # a row of the second group
         offsets = torch.tensor([3, 7, 7, 10], dtype=torch.int32)  # rows 10, 11 past them

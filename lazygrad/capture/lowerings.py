@@ -4,9 +4,9 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's op. Such an op
 is lowered here, at trace time, into ops that export: convolution_backward (plain and
-transposed) into convolutions and matrix products (one product each over the patches where the
-windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward (every ceil_mode,
-padding and divisor) into a transposed convolution; avg_pool2d with divisor_override (torchlib
+transposed) into convolutions and matrix products (one product each over the patches where
+the windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward
+(every ceil_mode, padding and divisor) into a transposed convolution; avg_pool2d with divisor_override (torchlib
 ignores the override) into a window sum; adaptive average pooling's backward into two matrix
 products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
