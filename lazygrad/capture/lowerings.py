@@ -6,8 +6,8 @@ ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's
 is lowered here, at trace time, into ops that export: convolution_backward (plain and
 transposed) into convolutions and matrix products (one product each over the patches where
 the windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward
-(every ceil_mode, padding and divisor) into a transposed convolution; avg_pool2d with divisor_override (torchlib
-ignores the override) into a window sum; adaptive average pooling's backward into two matrix
+(every ceil_mode, padding and divisor) into a transposed convolution; avg_pool2d with
+divisor_override (torchlib ignores the override) into a window sum; adaptive average pooling's backward into two matrix
 products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
 backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
