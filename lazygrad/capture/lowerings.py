@@ -4,40 +4,38 @@ PyTorch's derivative formulas stay the source of every gradient; some of the ops
 no ONNX translation (torchlib raises NotImplementedError for `convolution_backward`, and stock
 ONNX Runtime has no ConvGrad kernel), or a translation that differs from torch's op. Such an op
 is lowered here, at trace time, into ops that export: convolution_backward (plain and
-transposed) into convolutions and matrix products (one product each over the patches where
-the windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward
-(every ceil_mode, padding and divisor) into a transposed convolution; avg_pool2d with
-divisor_override (torchlib ignores the override) into a window sum; adaptive average pooling's backward into two matrix
-products; adaptive max pooling (torch decomposes only even windows) into masked maxima, its
-backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
+transposed) into convolutions and matrix products (one product each over the patches where the
+windows tile the input: `_patch_gradients`); avg_pool2d_backward and avg_pool3d_backward (every
+ceil_mode, padding and divisor) into a transposed convolution; avg_pool2d with divisor_override
+(torchlib ignores the override) into a window sum; adaptive average pooling's backward into two
+matrix products; adaptive max pooling (torch decomposes only even windows) into masked maxima,
+its backward, and 3-D max pooling's, into a scatter-add; diagonal_scatter (torch's decomposition
 mutates) into a select; an accumulating index_put, whose translation ONNX Runtime runs wrong,
 into scatter_add (`accumulate_rows`); `x[ids]`, which torchlib translates with copies around its
 GatherND, into `index_select` (`gather_rows`); a slice's and a select's gradient, which torch
 writes into zeros by `slice_scatter` and `select_scatter` (translated as a scatter between
 Transposes, and through an index as large as the gradient), into one Pad (`slice_as_pad`,
-`select_as_pad`); `mv`, whose transposed form ONNX Runtime fuses wrong,
-into a matrix product (`matrix_vector`); an unstable sort into the stable one
-(`stable_sort`), and an unsorted top-k into the sorted one (`sorted_topk`), whose orders ORT
-and torch choose alike; `searchsorted`, medians and `kthvalue`, which ONNX lacks, into
-`bucketize` or counts of smaller elements (`search_sorted`) and picks of a stable sort
-(`median_of_all`, `sorted_pick`); `atan2`, `logaddexp`, a one-sided `clamp` and `sign` into
-forms with eager's values at zeros, infinities and NaN, and beyond exp's range
-(`quadrant_atan2`, `stable_logaddexp`, `one_sided_clamp`, `sign_as_eager`), and `copysign`,
-`signbit`, `fmax`, `fmin` and `hypot`, which ONNX lacks, into forms with eager's values there
-too (`signed_copy`, `sign_bit`, `ignoring_nan`, `scaled_hypot`); and attention's
-`_safe_softmax` into one that finds its masked rows in one reduction (`safe_softmax`: a
-translation ORT runs in six passes); `random_(low, high)` into the `randint` eager draws alike
-(`random_integers`); `max(dim)` of booleans into that of bytes (`boolean_maximum`); a
-broadcasting `copy` into one of its source expanded (`broadcast_copy`); RReLU out of training
-into its leaky ReLU (`rrelu_in_eval`);
-`masked_scatter`'s backward into a scatter by rank (`masked_scatter_backward`);
-`masked_select` into an index by `nonzero` (`masked_select`); `expm1` and
-`log1p`, which torchlib translates as `exp(x) - 1` and `log(1 + x)` (all precision lost
-near 0, where these ops exist for), into Kahan's forms (`precise_expm1`, `precise_log1p`);
-`lgamma` and its derivatives, which ONNX lacks, into their series (`special.py`); layer,
-group and instance norm of a float16 or bfloat16 input into the op in float32 (`in_float32`:
-their translations mix types where eager's kernels compute in float32). Like
-torch._decomp's tables these compute the op itself, not a gradient of anything, and every
+`select_as_pad`); `mv`, whose transposed form ONNX Runtime fuses wrong, into a matrix product
+(`matrix_vector`); an unstable sort into the stable one (`stable_sort`), and an unsorted top-k
+into the sorted one (`sorted_topk`), whose orders ORT and torch choose alike; `searchsorted`,
+medians and `kthvalue`, which ONNX lacks, into `bucketize` or counts of smaller elements
+(`search_sorted`) and picks of a stable sort (`median_of_all`, `sorted_pick`); `atan2`,
+`logaddexp`, a one-sided `clamp` and `sign` into forms with eager's values at zeros, infinities
+and NaN, and beyond exp's range (`quadrant_atan2`, `stable_logaddexp`, `one_sided_clamp`,
+`sign_as_eager`), and `copysign`, `signbit`, `fmax`, `fmin` and `hypot`, which ONNX lacks, into
+forms with eager's values there too (`signed_copy`, `sign_bit`, `ignoring_nan`, `scaled_hypot`);
+and attention's `_safe_softmax` into one that finds its masked rows in one reduction
+(`safe_softmax`: a translation ORT runs in six passes); `random_(low, high)` into the `randint`
+eager draws alike (`random_integers`); `max(dim)` of booleans into that of bytes
+(`boolean_maximum`); a broadcasting `copy` into one of its source expanded (`broadcast_copy`);
+RReLU out of training into its leaky ReLU (`rrelu_in_eval`); `masked_scatter`'s backward into a
+scatter by rank (`masked_scatter_backward`); `masked_select` into an index by `nonzero`
+(`masked_select`); `expm1` and `log1p`, which torchlib translates as `exp(x) - 1` and `log(1 +
+x)` (all precision lost near 0, where these ops exist for), into Kahan's forms (`precise_expm1`,
+`precise_log1p`); `lgamma` and its derivatives, which ONNX lacks, into their series
+(`special.py`); layer, group and instance norm of a float16 or bfloat16 input into the op in
+float32 (`in_float32`: their translations mix types where eager's kernels compute in float32).
+Like torch._decomp's tables these compute the op itself, not a gradient of anything, and every
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
 (`as_torch_decomposes`), whose gradients translate; `nn.Bilinear`'s op as one contraction
