@@ -99,7 +99,8 @@ def main() -> int:
         f"transformers {transformers.__version__}: {WARMUP} warm-up steps (builds waited "
         f"for), then {ROUNDS} rounds interleaved with eager; ms are medians.",
         "",
-        "| model | config | forward ms (eager) | backward ms (eager) | x eager | fallbacks | breaks |",
+        "| model | config | forward ms (eager) | backward ms (eager) | x eager | fallbacks "
+        "| breaks |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, (config, _) in MODELS.items():
