@@ -200,3 +200,19 @@ def test_a_tiling_convolutions_gradients_are_one_product_each():
         # first convolution's weight gradient (9 kernel positions).
         products = sum(backward.count(op) for op in ("MatMul", "FusedMatMul", "Gemm"))
         assert products == 6 + 9, backward
+
+
+def test_a_grouped_unstrided_convolutions_input_gradient_is_a_convolution_by_its_flipped_weight():
+    """ORT's grouped ConvTranspose took 2.3x its Conv of the same sizes on a depthwise 7 x 7
+    (ConvNeXt's); unstrided, the input gradient is a convolution of the output gradient by each
+    group's weight with its channels exchanged and its kernel flipped. Depthwise and grouped,
+    dilated, padded less than the kernel reaches."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 7, padding=3, groups=8),
+        torch.nn.GELU(), torch.nn.Conv2d(8, 16, 3, padding=1, dilation=2, groups=4))
+    lazy = _three_steps_like_eager(eager, (2, 3, 11, 12))
+    (entry,) = attach.installed(lazy)._pairs.values()
+    backward = [node.op_type for node in entry.pair.graphs.backward.graph.node]
+    assert "ConvTranspose" not in backward, backward
+    assert backward.count("Conv") == 4, backward  # two input gradients, two weight gradients

@@ -79,6 +79,9 @@ def convolution_backward(
                 grad_output, weight, None, stride, padding, dilation, False, [0] * len(stride),
                 groups,
             )
+        elif _flipped_pays(weight, stride, padding, dilation, groups):
+            grad_input = _input_gradient_by_flipped_weight(grad_output, weight, padding, dilation,
+                                                           groups)
         elif _columns_pay(grad_output, groups):
             grad_input = _input_gradient_by_columns(grad_output, input, weight, stride, padding,
                                                     dilation)
@@ -120,6 +123,36 @@ def _input_gradient(grad_output, input, weight, stride, padding, dilation, group
         full = aten.slice.Tensor(full, 2 + axis, padding[axis],
                                  padding[axis] + input.shape[2 + axis])
     return full
+
+
+def _flipped_pays(weight: torch.Tensor, stride: list[int], padding: list[int],
+                  dilation: list[int], groups: int) -> bool:
+    """Whether a grouped convolution's input gradient is the convolution of the output gradient
+    by the flipped weight: unstrided, padded at most as far as the kernel reaches. For a
+    depthwise convolution (ConvNeXt's 7 x 7) ORT's grouped ConvTranspose took 2.3x its Conv of
+    the same sizes (3.3 against 1.5 ms on [8, 32, 32, 32]); the flip copies the weight, small
+    when grouped (an ungrouped ResNet's gained nothing: its flip is a copy of a large weight)."""
+    kernel = weight.shape[2:]
+    return groups > 1 and all(step == 1 for step in stride) and all(
+        pad <= gap * (size - 1) for pad, gap, size in zip(padding, dilation, kernel))
+
+
+def _input_gradient_by_flipped_weight(grad_output, weight, padding, dilation, groups):
+    """The unstrided input gradient as a convolution: each group's weight with its input and
+    output channels exchanged and its kernel flipped, the output gradient padded so that every
+    input position sees the windows that read it."""
+    channels_out, per_group_in, *kernel = weight.shape
+    dims = len(kernel)
+    per_group_out = channels_out // groups
+    exchanged = aten.reshape.default(
+        aten.permute.default(
+            aten.reshape.default(weight, [groups, per_group_out, per_group_in, *kernel]),
+            [0, 2, 1, *range(3, 3 + dims)]),
+        [groups * per_group_in, per_group_out, *kernel])
+    flipped = aten.flip.default(exchanged, list(range(2, 2 + dims)))
+    reach = [gap * (size - 1) - pad for pad, gap, size in zip(padding, dilation, kernel)]
+    return aten.convolution.default(grad_output, flipped, None, [1] * dims, reach,
+                                    list(dilation), False, [0] * dims, groups)
 
 
 def _tiles(weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
