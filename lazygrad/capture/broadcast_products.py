@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from lazygrad.capture.node_maker import Maker, value_of
 from lazygrad.capture.partition import rebuilt
-from lazygrad.capture.peephole import known, same_shape
+from lazygrad.capture.peephole import known, same_shape, sum_parts
 
 aten = torch.ops.aten
 
@@ -112,9 +112,10 @@ def _is_one(size: Any) -> bool:
 def _as_matmul(make: Maker, total: fx.Node) -> bool:
     """`sum(a * b, dims)` as one matmul where the product broadcasts and `dims` holds one
     dimension both operands have; False, the graph as it was, elsewhere (or it raises)."""
-    if total.kwargs or len(total.args) not in (2, 3) or not isinstance(total.args[0], fx.Node):
+    parts = sum_parts(total)
+    if parts is None:
         return False
-    product = total.args[0]
+    product, dims, keep = parts
     if len(product.users) != 1:
         return False
     found = _operands(product)
@@ -126,12 +127,11 @@ def _as_matmul(make: Maker, total: fx.Node) -> bool:
             or out.device.type != "cpu":
         return False
     rank = out.dim()
-    summed = {dim % rank for dim in total.args[1]} if total.args[1] else set(range(rank))
-    keep = len(total.args) == 3 and bool(total.args[2])
-    roles = _roles(a_sizes, b_sizes, out.shape, summed)
+    contracted = {dim % rank for dim in dims} if dims else set(range(rank))
+    roles = _roles(a_sizes, b_sizes, out.shape, contracted)
     if roles is None:
         return False
-    made = _matmul(make, total, a, b, roles, rank, summed, keep)
+    made = _matmul(make, total, a, b, roles, rank, contracted, keep)
     if not same_shape(value_of(made), value_of(total)):
         raise ValueError("the matmul's result differs in shape")
     total.replace_all_uses_with(made)

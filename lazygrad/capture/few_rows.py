@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from lazygrad.capture.node_maker import Maker, value_of
 from lazygrad.capture.partition import rebuilt
-from lazygrad.capture.peephole import same_shape
+from lazygrad.capture.peephole import same_shape, sum_parts
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -149,9 +149,10 @@ def _one_row(graph: fx.Graph, total: fx.Node) -> bool:
     """`sum(src, [0, ..., k - 1], keepdim)` of float32 on the CPU, the other sizes numbers, as
     `ones(1, N) @ src.reshape(N, -1)` in the sum's shape; False, the graph as it was, elsewhere
     (and below `ONE_ROW_FROM` elements at the trace's example sizes)."""
-    if total.kwargs or len(total.args) not in (2, 3) or not isinstance(total.args[0], fx.Node):
+    parts = sum_parts(total)
+    if parts is None:
         return False
-    src, dims = total.args[0], total.args[1]
+    src, dims, _ = parts
     value = value_of(src)
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 \
             or value.device.type != "cpu" or not dims:

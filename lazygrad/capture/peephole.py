@@ -86,6 +86,15 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(known(x == y) for x, y in zip(a.shape, b.shape))
 
 
+def sum_parts(total: fx.Node) -> tuple[fx.Node, list[int] | None, bool] | None:
+    """(source, dims, keepdim) of a node `sum(source, dims[, keepdim])` of positional
+    arguments; None for any other form."""
+    if total.target is not aten.sum.dim_IntList or total.kwargs \
+            or len(total.args) not in (2, 3) or not isinstance(total.args[0], fx.Node):
+        return None
+    return total.args[0], total.args[1], len(total.args) == 3 and bool(total.args[2])
+
+
 def _one_per_row(node: Any, value_kind: str) -> tuple[fx.Node, int, fx.Node, Any] | None:
     """(zeros, dim, index, value or src) if `node` is `scatter(zeros, dim, index, x)` writing
     exactly one element per row along `dim` (`value_kind`: "value" or "src")."""
