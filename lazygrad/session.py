@@ -22,6 +22,7 @@ from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
 from lazygrad import clock
+from lazygrad.capture import stacked_io
 
 # The model's metadata key listing, comma-separated, the outputs that are complex tensors in
 # ONNX's real representation (a trailing dimension of 2: real, imaginary), as the exporter
@@ -84,6 +85,9 @@ class GraphSession:
         self.complex_at = [i for i, name in enumerate(self.output_names) if name in complex_names]
         self.state_at = [i for i, name in enumerate(self.input_names) if name in persistent]
         self.call_at = [i for i, name in enumerate(self.input_names) if name not in persistent]
+        # Stacked parameters fed, and stacked gradients returned, as their slices too (uncopied).
+        model, stacked_inputs, self.stacked_outputs = stacked_io.sliced(model, persistent)
+        self.state_slices = {entry.name: entry.slices for entry in stacked_inputs}
         self._model_bytes = model.SerializeToString()
         self._session = self._create(onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
         self.output_device = _ort_device(device)
@@ -169,7 +173,7 @@ class GraphSession:
             try:
                 return self._binding().run(inputs)
             except _MissingOutput as missing:
-                name = self.output_names[missing.index]
+                name = self._binding().bound_outputs[missing.index]
                 raise GraphRunError(f"ORT produced no tensor for output '{name}'") from None
 
     def release_this_threads_binding(self) -> None:
@@ -201,16 +205,29 @@ class _Binding:
         self._run = session._sess.run_with_iobinding
         self._io = ort_c.SessionIOBinding(session._sess)
         self._names = owner.input_names
+        self._slices = [owner.state_slices.get(owner.input_names[position], ())
+                        for position in owner.state_at]
         self._state_at = owner.state_at
         self._call_at = owner.call_at
-        self._outputs = owner.output_names
+        stacked = {entry.name: entry for entry in owner.stacked_outputs}
+        self._outputs = [name for name in owner.output_names if name not in stacked]
+        # (position among the outputs, its slices, dtype) per output returned as slices
+        self._stacked = [
+            (owner.output_names.index(entry.name), entry, stacked_io.TORCH_DTYPES[entry.elem_type])
+            for entry in owner.stacked_outputs
+        ]
+        self._device = owner.device
+        # The output names as ORT returns their values: in the order bound
+        self.bound_outputs = [*self._outputs, *(
+            block for _, entry, _ in self._stacked for _, block in entry.slices)]
         self._complex_at = owner.complex_at
         self._output_device = owner.output_device
         self._placeholder = owner.placeholder
         self._cuda = owner.device.type == "cuda"
         self._clear_all = len(self._call_at) > len(self._state_at)
-        # per state input: ((data_ptr, shape, dtype), OrtValue) of the tensor last bound
-        self._state: list[tuple[tuple, ort_c.OrtValue] | None] = [None] * len(self._state_at)
+        # per state input: ((data_ptr, shape, dtype), its OrtValues by input name) of the tensor
+        # last bound
+        self._state: list[tuple[tuple, list] | None] = [None] * len(self._state_at)
         self._pointers: list[int] = []
         self._state_bound = False
 
@@ -222,6 +239,7 @@ class _Binding:
                 io.bind_ortvalue_input(names[position], _to_ortvalue(inputs[position]))
             for name in self._outputs:
                 io.bind_output(name, self._output_device)
+            stacks = self._bind_stacked_outputs()
             if self._cuda:
                 io.synchronize_inputs()
             started = time.perf_counter()
@@ -233,7 +251,9 @@ class _Binding:
                 io.synchronize_outputs()
             clock.add_ort(time.perf_counter() - started)
             # Adopted by torch before the release: `get_outputs` is a view of the binding's own.
-            outputs = _to_tensors(io.get_outputs())
+            outputs = _to_tensors(io.get_outputs())[:len(self._outputs)]
+            for (position, _, _), stack in zip(self._stacked, stacks):
+                outputs.insert(position, stack)
             for position in self._complex_at:
                 outputs[position] = torch.view_as_complex(outputs[position])
             return outputs
@@ -249,8 +269,9 @@ class _Binding:
         io, names, state = self._io, self._names, self._state
         if pointers == self._pointers and all(map(torch.Tensor.is_contiguous, tensors)):
             if not self._state_bound:  # cleared after the last run: bind the same values again
-                for slot, position in enumerate(self._state_at):
-                    io.bind_ortvalue_input(names[position], state[slot][1])  # type: ignore[index]
+                for entry in state:
+                    for name, value in entry[1]:  # type: ignore[index]
+                        io.bind_ortvalue_input(name, value)
                 self._state_bound = True
             return
         for slot, position in enumerate(self._state_at):
@@ -259,14 +280,33 @@ class _Binding:
                 # A contiguous copy, made every call: it would not see later in-place updates.
                 state[slot] = None
                 pointers[slot] = -1  # no tensor's: the next call binds this slot again
-                io.bind_ortvalue_input(names[position], _to_ortvalue(tensor))
-                continue
-            key = (pointers[slot], tensor.shape, tensor.dtype)
-            if state[slot] is None or state[slot][0] != key:
-                state[slot] = (key, _to_ortvalue(tensor))
-            io.bind_ortvalue_input(names[position], state[slot][1])
+                values = self._state_values(names[position], tensor.contiguous(), slot)
+            else:
+                key = (pointers[slot], tensor.shape, tensor.dtype)
+                if state[slot] is None or state[slot][0] != key:
+                    state[slot] = (key, self._state_values(names[position], tensor, slot))
+                values = state[slot][1]
+            for name, value in values:
+                io.bind_ortvalue_input(name, value)
         self._pointers = pointers
         self._state_bound = True
+
+    def _state_values(self, name: str, tensor: torch.Tensor, slot: int) -> list:
+        """(input name, OrtValue) for a contiguous state tensor and the slices it is fed as
+        too, each over the tensor's own memory."""
+        return [(name, _to_ortvalue(tensor)),
+                *((sliced, _to_ortvalue(tensor[index])) for index, sliced in self._slices[slot])]
+
+    def _bind_stacked_outputs(self) -> list[torch.Tensor]:
+        """One tensor per stacked output, its slices bound as the outputs of their blocks: ORT
+        writes each block in place."""
+        stacks = []
+        for _, entry, dtype in self._stacked:
+            stack = torch.empty(entry.shape, dtype=dtype, device=self._device)
+            for index, block in entry.slices:
+                self._io.bind_ortvalue_output(block, _to_ortvalue(stack[index]))
+            stacks.append(stack)
+        return stacks
 
     def _release(self) -> None:
         io = self._io

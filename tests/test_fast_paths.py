@@ -223,3 +223,60 @@ def test_the_last_signature_is_reused_only_while_every_part_of_it_is_unchanged()
     assert sign(x) != first, "eval"
     module.train()
     assert sign(x) == first
+
+
+def _experts_session() -> GraphSession:
+    """y_g = x_g @ W[g]^T per expert g (W state, [3, 5, 4], read through a Transpose), and a
+    stacked result Z = stack(y_g^T): the graph an MoE layer's products make (grouped_mm.py)."""
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[0, 2, 1]),
+             helper.make_node("Constant", [], ["zero"],
+                              value=helper.make_tensor("zero", TensorProto.INT64, [1], [0]))]
+    for g in range(3):
+        nodes += [
+            helper.make_node("Constant", [], [f"i{g}"], value_int=g),
+            helper.make_node("Gather", ["Wt", f"i{g}"], [f"w{g}"], axis=0),
+            helper.make_node("Gather", ["x", f"i{g}"], [f"x{g}"], axis=0),
+            helper.make_node("MatMul", [f"x{g}", f"w{g}"], [f"y{g}"]),
+            helper.make_node("Transpose", [f"y{g}"], [f"t{g}"], perm=[1, 0]),
+            helper.make_node("Unsqueeze", [f"t{g}", "zero"], [f"u{g}"]),
+        ]
+    nodes.append(helper.make_node("Concat", ["u0", "u1", "u2"], ["Z"], axis=0))
+    nodes.append(helper.make_node("ReduceSum", ["W"], ["total"], keepdims=0))  # reads the whole
+    graph = helper.make_graph(
+        nodes, "experts",
+        [helper.make_tensor_value_info("W", TensorProto.FLOAT, [3, 5, 4]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2, 4])],
+        [helper.make_tensor_value_info("Z", TensorProto.FLOAT, [3, 5, 2]),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return GraphSession(model, torch.device("cpu"), persistent=frozenset({"W"}))
+
+
+def test_stacked_state_and_a_stacked_result_are_exchanged_as_slices_and_stay_current():
+    """An expert weight's slices are inputs of their own over the parameter's memory, the
+    stacked result's blocks outputs written into one tensor: ORT's graph has neither the
+    weight's Gathers (a Split copy once optimised) nor the Concat. In-place updates, new
+    storage and a non-contiguous layout are seen, as for any state."""
+    session = _experts_session()
+    ran = onnx.load_from_string(session._model_bytes)
+    assert "Concat" not in {node.op_type for node in ran.graph.node}
+    assert {node.input[0] for node in ran.graph.node if node.op_type == "Gather"} == {"x"}
+    assert [value.name for value in ran.graph.input] == ["W", "x", "W.0", "W.1", "W.2"]
+    w, x = torch.randn(3, 5, 4), torch.randn(3, 2, 4)
+
+    def check() -> None:
+        z, total = session.run([w, x])
+        torch.testing.assert_close(z, torch.stack([(x[g] @ w[g].T).T for g in range(3)]))
+        torch.testing.assert_close(total, w.sum())
+        assert z.is_contiguous() and z.shape == (3, 5, 2)
+
+    check()
+    w.add_(1.0)  # in place, as an optimizer: the bound slices alias it
+    check()
+    w.data = torch.randn(3, 5, 4)  # new storage
+    check()
+    w.data = torch.randn(3, 4, 5).transpose(1, 2)  # not contiguous: bound as a copy each call
+    check()
+    w.data = w.data.contiguous()
+    w.add_(1.0)
+    check()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -170,3 +171,42 @@ def test_a_nan_stays_in_its_experts_gradient_and_rows_past_the_groups_stay_zero(
         assert lazy.weight.grad[1].isnan().any() and not lazy.weight.grad[0].isnan().any()
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2
+
+
+def test_expert_weights_and_their_gradients_cross_to_ort_as_slices_while_training():
+    """Each expert's weight reaches ORT as a view of the parameter, and each expert's gradient
+    block is written into one gradient tensor (capture/stacked_io.py): neither graph ORT runs
+    copies the weights or stacks the gradient. Trained with SGD, which updates the parameter
+    in place under the bound views, over new routings: outputs and gradients are eager's."""
+    _transformers_ops()
+    torch.manual_seed(0)
+    model = TransposedExperts()
+    lazy = lazygrad.lazy(copy.deepcopy(model), wait_for_builds=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, lazy)]
+    x = torch.randn(12, 8)
+    for ends in ([3, 3, 9, 11], [0, 5, 12, 12], [4, 4, 4, 12], [12, 12, 12, 12]):
+        offsets = torch.tensor(ends, dtype=torch.int32)
+        outputs = []
+        for m, optimizer in zip((model, lazy), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            outputs.append(m(x, offsets))
+            outputs[-1].pow(2).sum().backward()
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lazy.weight.grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+        for optimizer in optimizers:
+            optimizer.step()
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 3
+    (entry,) = lazygrad.api.runtime_of(lazy)._pairs.values()
+    sessions = entry.pair._sessions.values()
+    assert sessions and all(session.state_slices for session in sessions)
+    assert any(session.stacked_outputs for session in sessions)
+    for session in sessions:
+        ran = onnx.load_from_string(session._model_bytes)
+        assert "Concat" not in {node.op_type for node in ran.graph.node
+                                if node.output[0] in {v.name for v in ran.graph.output}}
+        weights = set(session.state_slices)
+        weights.update(node.output[0] for node in ran.graph.node
+                       if node.op_type == "Transpose" and node.input[0] in weights)
+        assert not [node for node in ran.graph.node
+                    if node.op_type == "Gather" and node.input[0] in weights]

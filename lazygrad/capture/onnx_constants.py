@@ -1,8 +1,9 @@
 """The scalar constants of an exported ONNX graph, for the rewrites that look for one (gelu.py,
 zero_where.py).
 
-The exporter writes a scalar as an initializer, a Constant node, or a Cast of either (torchlib's
-`scalar_tensor` of a dtype): all three are read here, by value, element type and rank.
+The exporter writes a scalar as an initializer, a Constant node (of a tensor, or of a number:
+`value_int`, `value_float`, as lazygrad's own translations write some), or a Cast of either
+(torchlib's `scalar_tensor` of a dtype): all are read here, by value, element type and rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import numpy as np
 import onnx
 import onnx.helper
 import onnx.numpy_helper
+
+# A Constant's attributes that hold one number, and the element type of the scalar it makes.
+_NUMBERS = {"value_int": onnx.TensorProto.INT64, "value_float": onnx.TensorProto.FLOAT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,10 @@ def scalar_constants(graph: onnx.GraphProto) -> dict[str, Scalar]:
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             value = next((a.t for a in node.attribute if a.name == "value"), None)
+            number = next((a for a in node.attribute if a.name in _NUMBERS), None)
+            if value is None and number is not None:
+                value = onnx.helper.make_tensor(
+                    "", _NUMBERS[number.name], [], [onnx.helper.get_attribute_value(number)])
             if value is not None:
                 tensors[node.output[0]] = value
     found = {
