@@ -132,6 +132,47 @@ def test_moe_runs_whole_through_ort_and_matches_eager(kind):
     assert stats.ort_share > 0
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+def test_moe_decoder_layers_run_as_parts_under_the_models_output_recorder_as_in_eager(kind):
+    """A counting hook of the user's on the final norm sends the model to its parts, and the
+    decoder model to its own (embeddings, layers, norm). Each layer is then a part under the
+    decoder's output recorder: transformers' hook on the router files the router logits in a
+    collector of the decoder's call, which the auxiliary loss reads. Captured whole, a layer's
+    ORT steps would skip that hook (the collector stayed empty and the loss raised); watched
+    at its first call, the layer goes to its parts down to the router, whose hook wraps its
+    own lazy call. Outputs, the auxiliary loss and gradients are eager's at every step (the
+    parts settle over the first steps), and the counter counts eager's calls."""
+    model, batch = _moe_model(kind)
+    lazy = lazygrad.lazy(copy.deepcopy(model))
+    counts = []
+    for m in (lazy, model):
+        count: list[int] = []
+        m.model.norm.register_forward_hook(lambda module, args, out, c=count: c.append(1))
+        counts.append(count)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.FallbackWarning)
+        warnings.simplefilter("ignore", lazygrad.GraphBreakWarning)  # a FallbackWarning's kind
+        for step in range(9):
+            for m in (lazy, model):
+                m.zero_grad(set_to_none=True)
+            out, expected = lazy(**batch), model(**batch)
+            for key in ("logits", "loss", "aux_loss"):
+                torch.testing.assert_close(out[key].detach(), expected[key].detach(),
+                                           rtol=1e-4, atol=1e-5, msg=lambda m, k=key: k)
+            _moe_loss(step)(out).backward()
+            _moe_loss(step)(expected).backward()
+            _assert_grads_match(lazy, model, f"step {step}")
+    assert counts[0] == counts[1] == [1] * 9
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks >= 1
+    layer = stats.parts["model.layers.0"]
+    assert layer.breaks == 1 and "keeps 1 tensor(s)" in layer.reasons[0], layer.reasons
+    # The router and the experts serve steps through ORT once built (the router with and
+    # without the auxiliary loss: two masks).
+    for part in ("model.layers.0.mlp.gate", "model.layers.0.mlp.experts"):
+        assert stats.parts[part].hits >= 1 and stats.parts[part].fallbacks == 0, part
+
+
 def test_mistral_with_its_sliding_window_cache_runs_whole_through_ort():
     """Mistral returns a sliding-window cache whose layers count the positions they saw
     (`cumulative_length`, a size): each call's cache holds its own count (it ran in parts

@@ -10,10 +10,11 @@ tensor still referenced once it returns was kept by user code, and the call cann
 whole; the module then runs in parts, whose calls fire the hooks with real tensors.
 
 By then the trace's tensors sit in the user's objects. So a signature's first call, run by eager
-PyTorch, is watched first (`forward_hooks.watching_eager_call`): a tensor that a hook of the
-user's was given or made, still referenced by a Python object once the call returned (neither
-returned, nor the module's own state, nor one of its attributes, nor a module's global), was
-kept by the hook, and the module goes to its parts without a trace (`refuse_kept_by_hooks`).
+PyTorch, is watched first (`forward_hooks.watching_eager_call`): a tensor that a hook (the
+user's or a library's) was given or made, still referenced by a Python object once the call
+returned (neither returned, nor the module's own state, nor one of its attributes, nor a
+module's global), was kept by the hook, and the module goes to its parts without a trace
+(`refuse_kept_by_hooks`).
 So does a first call that put a new tensor in a list or dict among the globals the module's code
 reads (`GlobalStores`: `ACTIVATIONS.append(h)` in a forward).
 """
@@ -59,7 +60,7 @@ def refuse_kept_tensors(made: dict[int, Callable[[], Any]], mode: object) -> Non
 def refuse_kept_by_hooks(touched: Iterable[weakref.ref], module: torch.nn.Module,
                          own: Iterable[torch.Tensor]) -> None:
     """After an eager call of `module`: raise CaptureError, naming what holds them, if tensors
-    that hooks of the user's saw or made (`touched`) are still held by Python objects other
+    that hooks saw or made (`touched`) are still held by Python objects other
     than the module's, Python modules' globals, and frames; `own`: the call's inputs, the
     module's state and what the call returned, which the caller holds."""
     skipped = {id(tensor) for tensor in own}

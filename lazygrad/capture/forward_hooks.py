@@ -63,28 +63,34 @@ def watching(module: torch.nn.Module) -> Iterator[list[str]]:
     found: list[str] = []
     thread = threading.get_ident()
     global_ones = [(hooks, None) for hooks in global_hooks.ALL]
-    with _users_hooks_wrapped(_hook_dicts(module), _watch(found, None, None)), \
-            _users_hooks_wrapped(global_ones, lambda name: _hidden_from(thread)):
+    with _hooks_wrapped(_hook_dicts(module), _watch(found, None, None)), \
+            _hooks_wrapped(global_ones, lambda name: _hidden_from(thread)):
         yield found
 
 
 @dataclasses.dataclass
 class EagerHooks:
-    """What the user's hooks on submodules did in an eager call (`watching_eager_call`)."""
+    """What the hooks on submodules did in an eager call (`watching_eager_call`)."""
 
-    side_effects: list[str] = dataclasses.field(default_factory=list)  # as `watching` yields
-    touched: list[weakref.ref] = dataclasses.field(default_factory=list)  # tensors they saw or made
+    side_effects: list[str] = dataclasses.field(default_factory=list)  # the user's, as `watching`
+    touched: list[weakref.ref] = dataclasses.field(default_factory=list)  # tensors seen or made
 
 
 @contextlib.contextmanager
 def watching_eager_call(module: torch.nn.Module) -> Iterator[EagerHooks]:
     """Around an eager call of `module` on this thread: the user's hooks on its submodules run
-    as they would, watched as a trace watches them (`watching`), and the tensors they are
-    given, return or make are referenced weakly, for `escapes.refuse_kept_by_hooks`. Global
+    as they would, watched as a trace watches them (`watching`), and the tensors they and
+    libraries' hooks are given, return or make are referenced weakly, for
+    `escapes.refuse_kept_by_hooks`. Libraries' hooks are traced with the rest where what they
+    keep stays inside the call; but a submodule captured on its own (a part of a module that
+    runs in parts) may hold a hook that files its outputs in a collector of the call around
+    it (Hugging Face's output recorders: the router logits a Mixtral's loss reads), which ORT
+    steps would leave empty (the trace, on the builder's thread, sees no collector). Global
     hooks are left alone (an eager call runs them). The hooks are put back on exit."""
     seen = EagerHooks()
-    with _users_hooks_wrapped(_hook_dicts(module), _watch(seen.side_effects, seen.touched,
-                                                          threading.get_ident())):
+    dicts, thread = _hook_dicts(module), threading.get_ident()
+    with _hooks_wrapped(dicts, _watch(seen.side_effects, seen.touched, thread)), \
+            _hooks_wrapped(dicts, _watch(None, seen.touched, thread), libraries=True):
         yield seen
 
 
@@ -93,7 +99,7 @@ class _Wrapped:
     while the watch is on. A watch may start or end while another one runs (a signature's first
     call, watched on the caller's thread, beside the background trace of another): each wraps
     what the dict holds, and each puts back what is under its wrapper once it ends, past any
-    other watch's that has ended too (`_users_hooks_wrapped`), so a watch that ends first takes
+    other watch's that has ended too (`_hooks_wrapped`), so a watch that ends first takes
     no wrapper of a running one away, and none is left behind."""
 
     def __init__(self, hook: Callable[..., Any], around: Callable[..., Any]) -> None:
@@ -108,15 +114,17 @@ class _Wrapped:
 
 
 @contextlib.contextmanager
-def _users_hooks_wrapped(
+def _hooks_wrapped(
     dicts: list[tuple[dict, str | None]], around_for: Callable[[str | None], Callable[..., Any]],
+    libraries: bool = False,
 ) -> Iterator[None]:
     """Each hook of the user's in `dicts` (hook dicts, each with its submodule's name) replaced
-    by a `_Wrapped` with `around_for(name)` for the time of the block."""
+    by a `_Wrapped` with `around_for(name)` for the time of the block; with `libraries`, each
+    hook of an installed library's instead."""
     swapped: list[tuple[dict, Any, _Wrapped]] = []
     for hooks, name in dicts:
         for key, hook in list(hooks.items()):
-            if _users(hook):
+            if _users(hook) != libraries:
                 hooks[key] = wrapper = _Wrapped(hook, around_for(name))
                 swapped.append((hooks, key, wrapper))
     try:
@@ -167,12 +175,12 @@ def _users(hook: Callable[..., Any]) -> bool:
     return code is not None and not is_library(code.co_filename)
 
 
-def _watch(found: list[str], touched: list[weakref.ref] | None,
+def _watch(found: list[str] | None, touched: list[weakref.ref] | None,
            thread: int | None) -> Callable[[str | None], Callable[..., Any]]:
-    """For `_users_hooks_wrapped`: a hook of submodule `name` run so that `name` is noted in
-    `found` when it returns nothing and runs no tensor op; with `touched`, the tensors it is
-    given, returns or makes are noted too (weakly); with `thread`, only its calls on that
-    thread are watched."""
+    """For `_hooks_wrapped`: a hook of submodule `name` run so that `name` is noted in
+    `found` (unless None) when it returns nothing and runs no tensor op; with `touched`, the
+    tensors it is given, returns or makes are noted too (weakly); with `thread`, only its calls
+    on that thread are watched."""
     def around_for(name: str | None) -> Callable[..., Any]:
         def around(hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             if thread is not None and threading.get_ident() != thread:
@@ -181,7 +189,7 @@ def _watch(found: list[str], touched: list[weakref.ref] | None,
                 result = hook(*args, **kwargs)
             if touched is not None:
                 touched.extend(_weak_tensors((args, kwargs, result)))
-            if result is None and not computing.ops:
+            if found is not None and result is None and not computing.ops:
                 found.append(name)
             return result
 
