@@ -5,7 +5,10 @@ OrtValues that torch adopts without a copy; the same IOBinding path serves CPU a
 Each thread reuses one IOBinding per session. The module's parameters are fed every call: their
 OrtValues are made and bound once and stay bound while the tensor's storage stays where it was
 (an optimizer updates it in place), which keeps the per-call cost to the call's own inputs and
-outputs.
+outputs. A stacked parameter's slices that the graph reads (an MoE layer's experts) are bound
+as inputs of their own, each over the parameter's memory, and a stacked gradient's blocks as
+outputs over the slices of one tensor made for the call (`capture/stacked_io.py`): ORT copies
+neither.
 """
 
 from __future__ import annotations

@@ -95,13 +95,15 @@ def _sliced_inputs(graph: onnx.GraphProto, state: Collection[str]) -> list[Stack
     replaced: dict[int, onnx.NodeProto] = {}  # id of a Gather -> what reads its slice instead
     walked: list[onnx.NodeProto] = []  # Transposes on the way, dropped where left unread
     stacked = []
-    for value in graph.input:
+    for value in list(graph.input):  # slices are added to it
         shape = _static_shape(value)
         if value.name not in state or shape is None or len(shape) < 2 or shape[0] < 2:
             continue
         slices: dict[int, str] = {}
         gathers, transposes = _gathers(value.name, len(shape), reads, constants)
         for gather, index, perm in gathers:
+            if not -shape[0] <= index < shape[0]:
+                continue  # ORT's error stays
             g = index % shape[0]
             if g not in slices:
                 slices[g] = _fresh_name(f"{value.name}.{g}", taken)
