@@ -1,10 +1,13 @@
-"""Hugging Face models of two families against eager (`python -m benchmarks.families`).
+"""Hugging Face models of four families against eager (`python -m benchmarks.families`).
 
-The BERT-shaped workloads of `benchmarks/workloads.py` have neither rotary embeddings nor patch
-embeddings; a Llama (RoPE: slices of every layer's queries and keys, whose gradients are one
-Pad each, `lowerings.slice_as_pad`) and a ViT (a convolution whose windows tile the image,
-`lowerings._patch_gradients`) have. Both from configs of a small real size (random weights, no
-download), trained on their own loss: per model, the forward and the backward of a steady step
+The BERT-shaped workloads of `benchmarks/workloads.py` have neither rotary embeddings, nor patch
+embeddings, nor experts whose weights are one stacked parameter; a Llama (RoPE: slices of every
+layer's queries and keys, whose gradients are one Pad each, `lowerings.slice_as_pad`), a ViT (a
+convolution whose windows tile the image, `lowerings._patch_gradients`), and a Mixtral and an
+OLMoE (transformers' default experts: each expert's slice of the stacked weights fed to ORT
+uncopied, each block of their gradients written in place, `capture/stacked_io.py`) have. All
+from configs of a small real size (random weights, no download), trained on their own loss
+(with the router's auxiliary loss for the MoE models): per model, the forward and the backward of a steady step
 (median over rounds, lazygrad and eager interleaved, which goes first alternating), the step's
 ratio to eager's (median of per-round ratios) and the fallbacks and breaks, which must be 0.
 Needs the `hf` extra.
@@ -27,7 +30,7 @@ import torch
 import lazygrad
 
 RESULTS = Path(__file__).parent / "results" / "families.md"
-WARMUP, ROUNDS = 3, 10
+WARMUP, ROUNDS = 3, 16
 
 
 def _llama() -> tuple[torch.nn.Module, dict]:
@@ -52,9 +55,33 @@ def _vit() -> tuple[torch.nn.Module, dict]:
         "labels": torch.randint(0, 10, (8,), generator=generator)}
 
 
+def _mixtral() -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, output_router_logits=True, use_cache=False)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    return transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def _olmoe() -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    config = transformers.OlmoeConfig(
+        vocab_size=1000, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, num_experts=16, num_experts_per_tok=4,
+        output_router_logits=True, use_cache=False)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    return transformers.OlmoeForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, dict]]]] = {
     "llama": ("hidden 512, 4 layers, vocabulary 8000, batch 8 x 128", _llama),
     "vit": ("224 px, 16 x 16 patches, hidden 192, 2 layers, batch 8", _vit),
+    "mixtral": ("hidden 512, 2 layers, 8 experts of 1024 (top 2), batch 4 x 64", _mixtral),
+    "olmoe": ("hidden 512, 2 layers, 16 experts of 512 (top 4), batch 4 x 64", _olmoe),
 }
 
 
