@@ -7,9 +7,10 @@ convolution whose windows tile the image, `lowerings._patch_gradients`), and a M
 OLMoE (transformers' default experts: each expert's slice of the stacked weights fed to ORT
 uncopied, each block of their gradients written in place, `capture/stacked_io.py`) have. All
 from configs of a small real size (random weights, no download), trained on their own loss
-(with the router's auxiliary loss for the MoE models): per model, the forward and the backward of a steady step
-(median over rounds, lazygrad and eager interleaved, which goes first alternating), the step's
-ratio to eager's (median of per-round ratios) and the fallbacks and breaks, which must be 0.
+(with the router's auxiliary loss for the MoE models): per model, the forward and the backward
+of a steady step (median over rounds, lazygrad and eager interleaved, which goes first
+alternating), the step's ratio to eager's (median of per-round ratios) and the fallbacks and
+breaks, which must be 0.
 Needs the `hf` extra.
 """
 

@@ -15,6 +15,16 @@ in PyTorch), and an eager run waits for a trace going on (`traced`): a step besi
 waits for the trace alone, never for the export or the check. A thread that waits for a build
 (`lent`: `builder.run`) is not waited for, so a build asked for from inside an eager run (a
 backward within a forward) cannot wait on itself.
+
+The user's other models share those globals too: a model lazygrad does not run (an eager
+reference, a distillation teacher, an EMA copy) of the same library, called on the training
+thread while a trace ran in the background. Hugging Face Llama's attention is wrapped by the
+`kernels` library, whose own compile-aware ContextVar flips to a global for every thread while
+one compiles: a plain Llama stepped beside a lazy one crashed in 2 of 3 runs ("expected an
+instance of Token"), and a plain Mixtral's recorded outputs would land in the trace's
+collector. So while a trace runs, every module call of other threads (but those waiting for a
+build) waits at its start and at its end, before its own hooks (`_held_while_tracing`, a
+global forward pre-hook and hook that lazygrad registers for the trace's time only).
 """
 
 from __future__ import annotations
@@ -22,6 +32,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
+
+from torch.nn.modules import module as torch_module
+
+from lazygrad import global_hooks
 
 _changed = threading.Condition()
 _running: dict[int, int] = {}  # thread -> its eager runs going on (nested calls counted)
@@ -56,12 +71,27 @@ def traced() -> Iterator[None]:
         _changed.wait_for(lambda: _tracer is None and all(
             thread == me or thread in _lending for thread in _running))
         _tracer = me
+    entering = torch_module.register_module_forward_pre_hook(_held_while_tracing)
+    leaving = torch_module.register_module_forward_hook(_held_while_tracing)
     try:
         yield
     finally:
+        entering.remove()
+        leaving.remove()
         with _changed:
             _tracer = None
             _changed.notify_all()
+
+
+@global_hooks.own
+def _held_while_tracing(*_: Any) -> None:
+    """Around every module call while a trace runs: another thread's call waits for the trace
+    to end (the tracing thread and threads waiting for a build go on)."""
+    me = threading.get_ident()
+    if _tracer in (None, me) or me in _lending:
+        return
+    with _changed:
+        _changed.wait_for(lambda: _tracer is None or me in _lending)
 
 
 @contextlib.contextmanager

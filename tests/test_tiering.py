@@ -449,6 +449,59 @@ def test_eager_steps_never_run_beside_a_trace_of_the_same_code():
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.builds == 1
 
 
+class _TraceLog:
+    """What a trace of `SignalsItsTrace` and the test did, in order (class attributes: a
+    background trace runs a copy of the module's structure)."""
+
+    events: list[str] = []
+    started = threading.Event()  # a trace started
+    go_on = threading.Event()  # the trace may end
+
+
+class SignalsItsTrace(torch.nn.Module):
+    """Its trace notes when it starts and, once let go on, when it ends; its eager runs note
+    nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            _TraceLog.events.append("trace starts")
+            _TraceLog.started.set()
+            _TraceLog.go_on.wait(60)
+            time.sleep(0.2)  # time for a call on another thread to start, were it let
+            _TraceLog.events.append("trace ends")
+        return self.linear(x).tanh()
+
+
+def test_other_models_module_calls_wait_while_a_trace_runs():
+    """A model lazygrad does not run (an eager reference, a distillation teacher) shares its
+    library's globals with a trace: Hugging Face Llama's attention is wrapped by the `kernels`
+    library, whose ContextVar becomes a global for every thread while one compiles, and a
+    plain Llama stepped beside a lazy one crashed in 2 of 3 runs ("expected an instance of
+    Token"). While a trace runs in the background, another thread's module call waits for it
+    (before its own hooks), then runs as it would."""
+    _TraceLog.events.clear()
+    _TraceLog.started.clear()
+    _TraceLog.go_on.clear()
+    lazy = lazygrad.lazy(SignalsItsTrace(), wait_for_builds=False)
+    plain = torch.nn.Linear(8, 8)
+    plain.register_forward_pre_hook(lambda module, args: _TraceLog.events.append("plain"))
+    x = torch.randn(2, 8)
+    lazy(x).sum().backward()  # the first call runs eagerly, its backward queues the build
+    assert _TraceLog.started.wait(60), "no trace started"
+    _TraceLog.go_on.set()
+    torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
+    events = _TraceLog.events
+    assert events[0] == "trace starts" and events[-2:] == ["trace ends", "plain"], events
+    while not lazygrad.stats(lazy).builds:  # the build goes on, and serves the next calls
+        time.sleep(0.01)
+        lazy(x).sum().backward()
+    assert lazygrad.stats(lazy).fallbacks == 0
+
+
 def _builder_alive() -> bool:
     return any(thread.name == "lazygrad-builder" for thread in threading.enumerate())
 
