@@ -97,6 +97,21 @@ def _moe_loss(step: int):
     return lambda o: o.logits.logsumexp(-1).mean()
 
 
+def _moe_steps(lazy: torch.nn.Module, model: torch.nn.Module, batch: dict, steps: int) -> None:
+    """Train both on `_moe_loss`: outputs, the auxiliary loss and gradients eager's at every
+    step."""
+    for step in range(steps):
+        for m in (lazy, model):
+            m.zero_grad(set_to_none=True)
+        out, expected = lazy(**batch), model(**batch)
+        for key in ("logits", "loss", "aux_loss"):
+            torch.testing.assert_close(out[key].detach(), expected[key].detach(),
+                                       rtol=1e-4, atol=1e-5, msg=lambda m, k=key: k)
+        _moe_loss(step)(out).backward()
+        _moe_loss(step)(expected).backward()
+        _assert_grads_match(lazy, model, f"step {step}")
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
 def test_moe_runs_whole_through_ort_and_matches_eager(kind):
     """Mixture-of-Experts LMs dispatch tokens to experts by the router's choices: transformers
@@ -110,16 +125,7 @@ def test_moe_runs_whole_through_ort_and_matches_eager(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error", lazygrad.FallbackWarning)
         warnings.simplefilter("error", lazygrad.GraphBreakWarning)
-        for step in range(6):
-            for m in (lazy, model):
-                m.zero_grad(set_to_none=True)
-            out, expected = lazy(**batch), model(**batch)
-            for key in ("logits", "loss", "aux_loss"):
-                torch.testing.assert_close(out[key].detach(), expected[key].detach(),
-                                           rtol=1e-4, atol=1e-5, msg=lambda m, k=key: k)
-            _moe_loss(step)(out).backward()
-            _moe_loss(step)(expected).backward()
-            _assert_grads_match(lazy, model, f"step {step}")
+        _moe_steps(lazy, model, batch, 6)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and not stats.parts, stats.reasons
     # Its first call sets a Python attribute (its output hooks installed): nothing is built for
@@ -152,16 +158,7 @@ def test_moe_decoder_layers_run_as_parts_under_the_models_output_recorder_as_in_
     with warnings.catch_warnings():
         warnings.simplefilter("error", lazygrad.FallbackWarning)
         warnings.simplefilter("ignore", lazygrad.GraphBreakWarning)  # a FallbackWarning's kind
-        for step in range(9):
-            for m in (lazy, model):
-                m.zero_grad(set_to_none=True)
-            out, expected = lazy(**batch), model(**batch)
-            for key in ("logits", "loss", "aux_loss"):
-                torch.testing.assert_close(out[key].detach(), expected[key].detach(),
-                                           rtol=1e-4, atol=1e-5, msg=lambda m, k=key: k)
-            _moe_loss(step)(out).backward()
-            _moe_loss(step)(expected).backward()
-            _assert_grads_match(lazy, model, f"step {step}")
+        _moe_steps(lazy, model, batch, 9)
     assert counts[0] == counts[1] == [1] * 9
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks >= 1

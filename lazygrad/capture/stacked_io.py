@@ -32,6 +32,7 @@ import torch
 
 from lazygrad.capture.node_order import attribute, is_standard
 from lazygrad.capture.onnx_constants import scalar_constants
+from lazygrad.capture.stacked_products import stacked_block, zero_constants
 
 _INTEGERS = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
 
@@ -173,8 +174,7 @@ def _sliced_outputs(graph: onnx.GraphProto) -> list[Stacked]:
     reads = collections.Counter(name for node in graph.node for name in node.input)
     reads.update(value.name for value in graph.output)
     inputs = {value.name for value in (*graph.input, *graph.initializer)}
-    zeros = {name for name, scalar in scalar_constants(graph).items()
-             if scalar.value == 0 and scalar.rank <= 1}
+    zeros = zero_constants(graph)
     dropped: set[int] = set()
     outputs: list[onnx.ValueInfoProto] = []
     stacked = []
@@ -217,12 +217,8 @@ def _blocks(
         return None
     blocks = []
     for name in stack.input:
-        unsqueeze = made_by.get(name)
-        if not is_standard(unsqueeze, "Unsqueeze") or reads[name] != 1 \
-                or len(unsqueeze.input) != 2 or unsqueeze.input[1] not in zeros:
-            return None
-        block = unsqueeze.input[0]
-        if block in inputs or block not in made_by or reads[block] != 1:
+        block = stacked_block(name, made_by, reads, zeros)
+        if block is None or block in inputs or block not in made_by or reads[block] != 1:
             return None
         blocks.append(block)
     return blocks if len(set(blocks)) == len(blocks) else None

@@ -29,8 +29,7 @@ def made_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     made_by = {output: node for node in graph.node for output in node.output}
     reads = collections.Counter(name for node in graph.node for name in node.input)
     reads.update(value.name for value in graph.output)
-    zeros = {name for name, scalar in scalar_constants(graph).items()
-             if scalar.value == 0 and scalar.rank <= 1}
+    zeros = zero_constants(graph)
     swapped: dict[int, onnx.NodeProto] = {}  # id of a product -> its transposed form
     renamed: dict[str, str] = {}  # a stack -> the Transpose's output it becomes
     dropped: set[int] = set()
@@ -69,16 +68,30 @@ def made_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _product_under(name: str, made_by: dict, reads: collections.Counter, zeros: set[str]
-                   ) -> onnx.NodeProto | None:
-    """The product P of `name` = Unsqueeze(P, [0]), P 2-D (the stack is 3-D) and read by the
-    Unsqueeze alone, which only the stack reads; else None."""
+def zero_constants(graph: onnx.GraphProto) -> set[str]:
+    """The names of the graph's zero scalars (an Unsqueeze's axes [0] among them)."""
+    return {name for name, scalar in scalar_constants(graph).items()
+            if scalar.value == 0 and scalar.rank <= 1}
+
+
+def stacked_block(name: str, made_by: dict, reads: collections.Counter, zeros: set[str]
+                  ) -> str | None:
+    """B where `name` = Unsqueeze(B, [0]), a block of a stack, read by the stack alone; else
+    None."""
     unsqueeze = made_by.get(name)
     if not is_standard(unsqueeze, "Unsqueeze") or reads[name] != 1 \
             or len(unsqueeze.input) != 2 or unsqueeze.input[1] not in zeros:
         return None
-    product = made_by.get(unsqueeze.input[0])
-    if product is None or reads[unsqueeze.input[0]] != 1:
+    return unsqueeze.input[0]
+
+
+def _product_under(name: str, made_by: dict, reads: collections.Counter, zeros: set[str]
+                   ) -> onnx.NodeProto | None:
+    """The product P of `name` = Unsqueeze(P, [0]), P 2-D (the stack is 3-D) and read by the
+    Unsqueeze alone, which only the stack reads; else None."""
+    block = stacked_block(name, made_by, reads, zeros)
+    product = made_by.get(block) if block is not None else None
+    if product is None or reads[block] != 1:
         return None
     if is_standard(product, "MatMul"):
         return product
