@@ -2,7 +2,7 @@
 
 `python -m benchmarks.segments` runs the training loop of `benchmarks.memory` (fresh processes,
 builds waited for, so every step after the first runs through ORT) for eager and for lazygrad's
-default policy with the backward in 1 graph (as before), 2, 4 or 8 segments (workload A: 1 and
+default policy with the backward in 1 graph (as before), 2, 4, 8 or 16 segments (workload A: 1 and
 the default). Each lazygrad configuration runs twice: "cold" (an empty disk cache: the first
 step pays the build) and "warm" (a second process that loads the graphs the first stored, as a
 user's next run does: its peak is the training steps' own, not the build's). Then, in this
@@ -22,7 +22,7 @@ import time
 
 from benchmarks import memory
 
-COUNTS = (1, 2, 4, 8)
+COUNTS = (1, 2, 4, 8, 16)
 STEPS = 4
 
 

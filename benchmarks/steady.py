@@ -1,17 +1,19 @@
-"""`python -m benchmarks.steady [WORKLOAD ...] [--rounds N] [--ablate]`: steady step vs eager.
+"""`python -m benchmarks.steady [WORKLOAD ...] [--rounds N] [--ablate [PEER ...]]`: steady step.
 
-Eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the ratio is the
-median over rounds of lazygrad's step over eager's in the same round), after each model's
-warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole rewrites
-(capture/peephole.py), without the cap on ORT's constant folding (session.py: every
+Against eager: eager PyTorch and lazygrad step in turn (timing.interleave: rotating order, the
+ratio is the median over rounds of lazygrad's step over eager's in the same round), after each
+model's warm-up (its graphs built). `--ablate` adds lazygrad peers built without the peephole
+rewrites (capture/peephole.py), without the cap on ORT's constant folding (session.py: every
 constant folded, whatever its size), with ORT's threads never spinning (session.py: they spin
 within a run by default), with selections of zeros left ORT's Where (capture/zero_where.py),
 with the backward's `exp(log_softmax)` left two passes (peephole.softmax_for_exp), with the
 outputs an Identity copies left copies (capture/identity_outputs.py), with a loss's ignored rows
 computed in its backward (capture/ignored_rows.py), with ORT's CPU memory
-arena (session.py) and with layer-wise recomputation (`recompute_layers`, capture/layers.py:
-its cost), so each one's effect is measured in the same rounds as the rest, under the same
-load. The load average is printed
+arena (session.py), with layer-wise recomputation (`recompute_layers`, capture/layers.py:
+its cost) and with the backward in two segments at most (the default before 2026-12-07: its
+memory against its time), so each one's effect is measured in the same rounds as the rest,
+under the same load; `--ablate` followed by words keeps only the peers whose names hold one of
+them. The load average is printed
 before and after: on a shared machine absolute times drift, ratios much less. Each step's
 process CPU time (user + system, all threads) is recorded too: the work a step does, which
 waiting for a core under load does not inflate.
@@ -43,6 +45,7 @@ ABLATIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "lazygrad, ignored rows computed": (("ignored rows",), {}),
     "lazygrad, arena": ((), {"arena": True}),
     "lazygrad, recompute_layers": ((), {"recompute_layers": True}),
+    "lazygrad, 2 segments": ((), {"segments": 2}),
 }
 
 
@@ -87,12 +90,14 @@ def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int],
     return run
 
 
-def measure(name: str, rounds: int, ablate: bool) -> str:
+def measure(name: str, rounds: int, ablate: list[str] | None) -> str:
+    """`ablate`: None, no ablation peers; [], all of them; else those whose names hold a word."""
     workload = WORKLOADS[name]
     models = {"eager": workload.model(), "lazygrad": lazygrad.lazy(workload.model())}
-    if ablate:
+    if ablate is not None:
         models.update({peer: lazygrad.lazy(workload.model(), **options)
-                       for peer, (_, options) in ABLATIONS.items()})
+                       for peer, (_, options) in ABLATIONS.items()
+                       if not ablate or any(word in peer for word in ablate)})
     steps = {peer: workload.step(model) for peer, model in models.items()}
     for peer, step in steps.items():
         with without(ABLATIONS.get(peer, ((), {}))[0]):
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workloads", nargs="*", default=["bert loss"],
                         help=f"any of {sorted(WORKLOADS)}")
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds (cycles for MoE)")
-    parser.add_argument("--ablate", action="store_true", help="also without each speed-up")
+    parser.add_argument("--ablate", nargs="*", metavar="PEER",
+                        help="also without each speed-up (or those named)")
     args = parser.parse_args(argv)
     os.environ["LAZYGRAD_CACHE_DIR"] = ""  # every graph built by this code
     os.environ["LAZYGRAD_WAIT_FOR_BUILDS"] = "1"

@@ -6,10 +6,12 @@ import dataclasses
 import os
 
 POLICIES = ("predict", "all", "recompute")
-# Backward segments by default, measured on the 8-layer model (benchmarks/results/memory.md,
-# "Segmented backward"): 2 freed the most of the steady step's peak measured (-217 MiB) at the
-# same step time (0.96x); 4 made the step 1.10x slower.
-SEGMENTS = 2
+# Backward segments at most, by default; fewer where the stash is small (each frees at least
+# `segment.STASH_PER_SEGMENT`). Measured (benchmarks/results/memory.md, "Segmented backward"):
+# 16 against 2 took what a backward adds from 106 to 46 MiB on the 8-layer BERT-shaped model and
+# from 223 to 57 on a ResNet-18 (eager: 125, 35), the ResNet's whole-process peak from 862 to
+# 757 MiB, at the same step time (a segment is one ORT run more).
+SEGMENTS = 16
 
 
 @dataclasses.dataclass(frozen=True)

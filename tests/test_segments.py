@@ -25,6 +25,7 @@ import lazygrad
 from lazygrad import attach
 from lazygrad.capture import segment
 from lazygrad.examples.models import BertConfig, bert_batch
+from lazygrad.options import SEGMENTS as SEGMENTS_DEFAULT
 from lazygrad.session import GraphSession
 from lazygrad.step import Step
 
@@ -34,7 +35,7 @@ SEGMENTS = 3
 @pytest.fixture(autouse=True)
 def cut_small_graphs(monkeypatch):
     """The test models' stash is tiny: cut it anyway."""
-    monkeypatch.setattr(segment, "SMALL_STASH", 0)
+    monkeypatch.setattr(segment, "STASH_PER_SEGMENT", 1)
 
 
 class Tower(torch.nn.Module):
@@ -200,12 +201,9 @@ def test_the_stash_is_freed_segment_by_segment(monkeypatch):
     assert all(ref() is None for ref in stash)
 
 
-def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
-    """The stage on its own: a backward-like chain (each step reads one stashed input) cut in
-    three; run in order, the segments give the whole graph's outputs, and each stashed input is
-    read by one segment only. A Constant node every step reads is held by each segment, never
-    passed from one to the next as an input."""
-    steps = 6
+def _chain(steps: int) -> tuple[onnx.ModelProto, list[str]]:
+    """A backward-like chain of `steps` steps, each reading one stashed input of `n` floats; a
+    Constant node every step reads. The model and its stashed inputs."""
     stash = [f"saved{i}" for i in range(steps)]
     nodes, current = [oh.make_node("Constant", [], ["half"], value=oh.make_tensor(
         "half", onnx.TensorProto.FLOAT, [], [0.5]))], "grad"
@@ -224,6 +222,16 @@ def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
         ]),
         opset_imports=[oh.make_opsetid("", 18)],
     )
+    return model, stash
+
+
+def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
+    """The stage on its own: a backward-like chain (each step reads one stashed input) cut in
+    three; run in order, the segments give the whole graph's outputs, and each stashed input is
+    read by one segment only. A Constant node every step reads is held by each segment, never
+    passed from one to the next as an input."""
+    steps = 6
+    model, stash = _chain(steps)
     segments = segment.split(model, set(stash), 3, {"n": 4096})
     assert len(segments) == 3
     readers = [{value.name for value in part.graph.input} & set(stash) for part in segments]
@@ -239,3 +247,13 @@ def test_split_alone_cuts_a_plain_onnx_chain_where_its_stash_is_released():
                           session.run(None, {name: values[name] for name in wanted})))
     for output, want in zip(model.graph.output, expected):
         np.testing.assert_allclose(values[output.name], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("per_segment", "count"), [(32, 3), (48, 2), (100, 0)])
+def test_the_stash_sets_how_many_segments_the_default_cuts(monkeypatch, per_segment, count):
+    """Each segment frees at least `STASH_PER_SEGMENT` of the stash: six stashed inputs of 16
+    KiB (96 KiB) are cut in three where each segment must free 32 KiB, in two at 48, and not at
+    all at 100, however many segments the option allows."""
+    monkeypatch.setattr(segment, "STASH_PER_SEGMENT", per_segment * 1024)
+    model, stash = _chain(6)
+    assert len(segment.split(model, set(stash), SEGMENTS_DEFAULT, {"n": 4096})) == count

@@ -25,9 +25,11 @@ from lazygrad.capture import symbols
 
 # A cut may move this far (a fraction of the stash) from its ideal point to cross less.
 _WINDOW = 0.25
-# A stash smaller than this (bytes, at the example sizes) is not cut: an ORT run per segment
-# costs more time than the memory it frees is worth.
-SMALL_STASH = 16 * 2**20
+# Each segment frees at least this much of the stash (bytes, at the example sizes): a smaller
+# stash is not cut, a larger one into at most one segment per this much. A segment is one more
+# ORT run (tens of microseconds); what it frees is held until the segment ends, above eager's
+# peak, which frees each saved tensor as its node passes.
+STASH_PER_SEGMENT = 16 * 2**20
 
 
 def split(
@@ -42,7 +44,8 @@ def split(
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
     size = _Sizes(inferred, env)
-    if sum(map(size, releasable)) < SMALL_STASH:
+    count = min(count, sum(map(size, releasable)) // STASH_PER_SEGMENT)
+    if count <= 1:
         return []
     _constants_as_initializers(graph)
     constants = {t.name for t in graph.initializer}
