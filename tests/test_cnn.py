@@ -132,6 +132,36 @@ def test_an_ungrouped_convolutions_weight_gradient_is_matrix_products():
     assert len(reshaped_outputs.unreshaped(entry.pair.graphs.backward)) == 2  # both kernels
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_valid_padding_convolutions_train_through_ort(groups):
+    """`padding="valid"` reaches ATen as one padding for every axis ([0]): the lowering's
+    per-axis reads failed the trace (an IndexError ungrouped and grouped, col2im's "only 2D
+    padding" for the columns), and Hugging Face's EfficientNet ran in 29 parts."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, stride=2, padding="valid"), torch.nn.Tanh(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding="valid", groups=groups), torch.nn.Flatten())
+    _three_steps_like_eager(eager, (2, 4, 19, 17))
+
+
+@pytest.mark.parametrize(("channels", "size", "per_image"), [(4, 24, True), (32, 3, False)])
+def test_weight_gradient_products_are_per_image_where_that_copies_less(channels, size, per_image):
+    """Few channels over many positions (a ResNet's first stage): one product per image and
+    kernel position, summed over the batch, reading windows of the input as it is laid out.
+    Many channels over few positions (its last stage): one product over the whole batch, the
+    input and the output gradient copied channels first, where the per-image products would
+    write more than those copies."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(channels, channels, 3, padding=1),
+                                torch.nn.Flatten())
+    lazy = _three_steps_like_eager(eager, (2, channels, size, size))
+    (entry,) = attach.installed(lazy)._pairs.values()
+    graph = entry.pair.graphs.backward.graph
+    channels_first = [node for node in graph.node if node.op_type == "Transpose" and list(
+        next(a.ints for a in node.attribute if a.name == "perm"))[:2] == [1, 0]]
+    assert len(channels_first) == (0 if per_image else 2), [n.name for n in channels_first]
+
+
 @pytest.mark.parametrize("size", [9, 32])
 def test_an_input_gradient_is_columns_over_few_positions_and_a_transposed_convolution_else(size):
     """ORT's transposed convolution runs one thin product per image where the output has few
