@@ -333,7 +333,7 @@ def _per_image_pays(channels_out: int, channels_in: int, kernel: list[int], out_
     ResNet's first stage, 64 channels of 56 x 56 at batch 16: 221-226 ms of ORT's kernels
     against 263-292, torch 211-225; its last, 512 channels of 7 x 7: 348 against 183). Sizes
     that are symbols keep the whole batch."""
-    sizes = [*kernel, *out_sizes, *padded_sizes]
+    sizes = [channels_out, channels_in, *kernel, *out_sizes, *padded_sizes]
     if not all(isinstance(size, int) for size in sizes):
         return False
     written = math.prod(kernel) * channels_out * channels_in
