@@ -10,7 +10,9 @@ POLICIES = ("predict", "all", "recompute")
 # `segment.STASH_PER_SEGMENT`). Measured (benchmarks/results/memory.md, "Segmented backward"):
 # 16 against 2 took what a backward adds from 106 to 46 MiB on the 8-layer BERT-shaped model and
 # from 223 to 57 on a ResNet-18 (eager: 125, 35), the ResNet's whole-process peak from 862 to
-# 757 MiB, at the same step time (a segment is one ORT run more).
+# 757 MiB. Step time within the runs' spread: BERT-shaped `all three` 0.985x / 0.971x eager
+# against 0.958x / 0.952x in two `benchmarks.steady --ablate` runs, 0.995x against 1.032x in a
+# third; ResNet-18 1.618x against 1.609x (a segment is one ORT run more).
 SEGMENTS = 16
 
 
