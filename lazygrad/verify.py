@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from lazygrad import generators, heap, ties
-from lazygrad.capture import Captured, Feed
+from lazygrad.capture import Captured, Feed, open_order
 from lazygrad.eager_record import EagerRecord, sample
 from lazygrad.graph_pair import ChecksFailed, GraphPair
 
@@ -87,6 +87,7 @@ def verify(
     del forward_inputs
     heap.release_freed_memory()
     if not checking:
+        _order_does_not_matter(captured, pair, primals, env, device, found, None)
         return
     outputs = pair.roots_in_mask(results, env)
     if cotangents is None:
@@ -131,6 +132,49 @@ def verify(
 
     with torch.no_grad():
         suspects.judge(float64_backward)
+    _order_does_not_matter(captured, pair, primals, env, device, found, cotangents)
+
+
+def _order_does_not_matter(
+    captured: Captured, pair: GraphPair, primals: Sequence[torch.Tensor], env: dict[str, int],
+    device: torch.device, found: torch.Tensor | None,
+    cotangents: Sequence[torch.Tensor | None] | None,
+) -> None:
+    """Raise VerificationError if what the FX graphs return (the module's results, the state
+    they update, and the gradients for `cotangents` where given) changes when each top-k whose
+    order eager's kernel chooses (`open_order.py`) gives its picks in another order: the graph
+    takes them sorted, eager in its kernel's order, so the result must not depend on it."""
+    forward_picks, backward_picks = captured.open_order
+    if not forward_picks and not backward_picks:
+        return
+    tidy = captured.tidy
+    returned = [slot.index for slot in pair.graphs.roots]
+    returned += [result for result, _ in pair.graphs.mutations]
+    runs = []
+    for picks in (({}, {}), (forward_picks, backward_picks)):
+        draws = pair.draw(env, device, generators.copy_of(device, found))  # the same draws
+        values: dict[str, Sequence] = {"primal": primals, "random": draws}
+        with torch.no_grad():
+            results = list(_Rotating(tidy.forward, picks[0]).run(
+                *_feeds(tidy.forward_feeds, values)))
+            grads = [] if cotangents is None else list(_Rotating(tidy.backward, picks[1]).run(
+                *_feeds(tidy.backward_feeds,
+                        {**values, "saved": results, "cotangent": cotangents})))
+        runs.append(([results[index] for index in returned], grads))
+        del results
+    (results, grads), (turned_results, turned_grads) = runs
+    pairs = [*zip(turned_results, results, (f"output {i}" for i in returned)),
+             *zip(turned_grads, grads, (f"gradient {i}" for i in range(len(grads))))]
+    for turned, plain, what in pairs:
+        try:
+            message = _mismatch(turned, plain, what)
+        except VerificationError as error:
+            message = str(error)
+        if message is not None:
+            raise VerificationError(
+                "its result depends on the order of a `topk(sorted=False)`'s picks, which "
+                f"eager's kernel chooses and the graph cannot reproduce (picks in another "
+                f"order: {message}); pass sorted=True where the order does not matter")
 
 
 def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: EagerRecord,
@@ -174,6 +218,20 @@ class _Reshaping(fx.Interpreter):
         if target is torch.ops.aten.view.default:
             target = torch.ops.aten.reshape.default
         return super().call_function(target, args, kwargs)
+
+
+class _Rotating(_Reshaping):
+    """Runs an FX graph with the picks of its top-k nodes named in `picks` (name -> dimension)
+    each moved one place along their dimension (`open_order.rotated`)."""
+
+    def __init__(self, module: fx.GraphModule, picks: dict[str, int]) -> None:
+        super().__init__(module)
+        self._picks = picks
+
+    def run_node(self, node: fx.Node) -> Any:
+        result = super().run_node(node)
+        dim = self._picks.get(node.name)
+        return result if dim is None else open_order.rotated(result, dim)
 
 
 class _Float64(_Reshaping):

@@ -40,6 +40,7 @@ from lazygrad.capture import (
     ignored_rows,
     layers,
     node_order,
+    open_order,
     partition,
     peephole,
     python_random,
@@ -118,6 +119,9 @@ class Captured:
     numbers: int  # how many numbers the result holds
     seconds: dict[str, float]
     untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
+    # per graph (forward, backward): its top-k nodes whose order eager's kernel chooses, by
+    # name, with their dimension (`open_order.py`: the check rotates their picks)
+    open_order: tuple[dict[str, int], dict[str, int]] = ({}, {})
 
     def fingerprint(self, *parts: object) -> str:
         """Content hash of both graphs, their input types, constants and draws, plus `parts`."""
@@ -209,7 +213,8 @@ def capture(
     dynamic += dynamic_dims or [[False] * p.dim() for p in primals[count:]]
     training = mask is not None and any(mask)
     with escapes.watching() as made, python_random.refusing_draws(module), \
-            forward_hooks.watching(module) as side_effects, trace.unchanged(module):
+            forward_hooks.watching(module) as side_effects, trace.unchanged(module), \
+            open_order.noting() as noted:
         traced = trace.trace(fn, primals, dynamic, training, module)
     # Once the module holds its own tensors again:
     escapes.refuse_kept_tensors(made, traced.mode)
@@ -248,6 +253,11 @@ def capture(
         raise CaptureError(
             f"cannot prepare the traced graphs: {type(error).__name__}: {error}"
         ) from error
+    open_picks = (open_order.found(tidied.forward, noted),
+                  open_order.found(tidied.backward, noted))
+    if noted and not any(open_picks):
+        raise CaptureError("an unsorted top-k, whose order eager's kernel chooses, is not where "
+                           "the check could prove that its order does not matter")
     for draw in parts.draws:  # made in torch, before the graph runs, from the inputs' sizes
         _refuse_sizes_no_input_holds([*draw.shape, *draw.strides], traced.locations,
                                      f"draws a random {draw.kind} tensor")
@@ -262,6 +272,7 @@ def capture(
         numbers=fn.numbers,
         seconds={"trace": time.perf_counter() - started},
         untranslatable=traced.untranslatable,
+        open_order=open_picks,
     )
 
 

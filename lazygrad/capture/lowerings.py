@@ -17,7 +17,7 @@ writes into zeros by `slice_scatter` and `select_scatter` (translated as a scatt
 Transposes, and through an index as large as the gradient), into one Pad (`slice_as_pad`,
 `select_as_pad`); `mv`, whose transposed form ONNX Runtime fuses wrong, into a matrix product
 (`matrix_vector`); an unstable sort into the stable one (`stable_sort`), and an unsorted top-k
-into the sorted one where eager's order is sorted (`sorted_topk`); `searchsorted`,
+into the sorted one, checked where eager's order is not (`sorted_topk`); `searchsorted`,
 medians and `kthvalue`, which ONNX lacks, into `bucketize` or counts of smaller elements
 (`search_sorted`) and picks of a stable sort (`median_of_all`, `sorted_pick`); `atan2`,
 `logaddexp`, a one-sided `clamp` and `sign` into forms with eager's values at zeros, infinities
@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import torch
 
-from lazygrad.capture import private, special, symbols
+from lazygrad.capture import open_order, private, special, symbols
 
 aten = torch.ops.aten
 REDUCED_PRECISION = (torch.float16, torch.bfloat16)
@@ -654,20 +654,24 @@ def stable_sort(
 
 def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
                 sorted: bool = True) -> object:
-    """`topk(sorted=False)` as `topk(sorted=True)` where sorted is the order eager returns: one
-    pick, or on the CPU at most 1/64 of the dimension (torch's kernel then picks by a partial
-    sort). Elsewhere eager's order is its kernel's own (an introselect's), which ONNX Runtime's
-    TopK does not reproduce, and a result may depend on it: Informer's sparse attention pairs
-    its dropout mask with the queries in that order, and a decoder layer whose forward the
-    first call's check passed trained with other gradients than eager's. Refused there
-    (`UnsortedTopK`): the module runs in parts, the top-k's own code eagerly. A sorted `topk`
-    is traced as it is (NotImplemented: no decomposition)."""
+    """`topk(sorted=False)` as `topk(sorted=True)`. Where eager returns it sorted too (one pick,
+    or on the CPU at most 1/64 of the dimension: torch's kernel then picks by a partial sort),
+    that is eager's order. Elsewhere eager's order is its kernel's own (an introselect's), which
+    ONNX Runtime's TopK does not reproduce; the pick is noted (`open_order`) and the build's
+    check proves that nothing the graphs return depends on the order, or refuses them
+    (Informer's attention pairs its Dropout mask with the picks in that order; a router's
+    picks gathered and scattered back by the same indices pass). Outside a trace that notes
+    them it is refused (`UnsortedTopK`). A sorted `topk` is traced as it is (NotImplemented:
+    no decomposition)."""
     if sorted:
         return NotImplemented
     size = self.shape[dim] if self.dim() else 1
+    picks = aten.topk.default(self, k, dim, largest, True)
     if k == 1 or (self.device.type == "cpu" and isinstance(k, int) and isinstance(size, int)
                   and k * 64 <= size):
-        return aten.topk.default(self, k, dim, largest, True)
+        return picks
+    if open_order.note(picks, dim):
+        return picks
     raise UnsortedTopK(
         f"topk(sorted=False) picks {k} of {size}: its order is eager's kernel's own, which the "
         "graph cannot reproduce, and what follows may depend on it (pass sorted=True where "
@@ -675,7 +679,7 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
 
 
 class UnsortedTopK(Exception):
-    """An unsorted top-k whose order eager's kernel chooses (`sorted_topk`)."""
+    """An unsorted top-k whose order eager's kernel chooses, where it cannot be checked."""
 
 
 def search_sorted(sorted_sequence: torch.Tensor, self: torch.Tensor, *, out_int32: bool = False,
