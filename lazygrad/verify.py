@@ -137,7 +137,7 @@ def verify(
 
 def _order_does_not_matter(
     captured: Captured, pair: GraphPair, primals: Sequence[torch.Tensor], env: dict[str, int],
-    device: torch.device, found: torch.Tensor | None,
+    device: torch.device, found: torch.Tensor,
     cotangents: Sequence[torch.Tensor | None] | None,
 ) -> None:
     """Raise VerificationError if what the FX graphs return (the module's results, the state

@@ -121,7 +121,7 @@ class Captured:
     untranslatable: list[tuple[str, str]]  # (ATen op, submodule) the exporter may not translate
     # per graph (forward, backward): its top-k nodes whose order eager's kernel chooses, by
     # name, with their dimension (`open_order.py`: the check rotates their picks)
-    open_order: tuple[dict[str, int], dict[str, int]] = ({}, {})
+    open_order: tuple[dict[str, int], dict[str, int]]
 
     def fingerprint(self, *parts: object) -> str:
         """Content hash of both graphs, their input types, constants and draws, plus `parts`."""
