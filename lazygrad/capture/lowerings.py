@@ -660,26 +660,16 @@ def sorted_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     ONNX Runtime's TopK does not reproduce; the pick is noted (`open_order`) and the build's
     check proves that nothing the graphs return depends on the order, or refuses them
     (Informer's attention pairs its Dropout mask with the picks in that order; a router's
-    picks gathered and scattered back by the same indices pass). Outside a trace that notes
-    them it is refused (`UnsortedTopK`). A sorted `topk` is traced as it is (NotImplemented:
-    no decomposition)."""
+    picks gathered and scattered back by the same indices pass). A sorted `topk` is traced as
+    it is (NotImplemented: no decomposition)."""
     if sorted:
         return NotImplemented
-    size = self.shape[dim] if self.dim() else 1
     picks = aten.topk.default(self, k, dim, largest, True)
-    if k == 1 or (self.device.type == "cpu" and isinstance(k, int) and isinstance(size, int)
-                  and k * 64 <= size):
-        return picks
-    if open_order.note(picks, dim):
-        return picks
-    raise UnsortedTopK(
-        f"topk(sorted=False) picks {k} of {size}: its order is eager's kernel's own, which the "
-        "graph cannot reproduce, and what follows may depend on it (pass sorted=True where "
-        "the order does not matter)")
-
-
-class UnsortedTopK(Exception):
-    """An unsorted top-k whose order eager's kernel chooses, where it cannot be checked."""
+    size = self.shape[dim] if self.dim() else 1
+    if not (k == 1 or (self.device.type == "cpu" and isinstance(k, int)
+                       and isinstance(size, int) and k * 64 <= size)):
+        open_order.note(picks, dim)
+    return picks
 
 
 def search_sorted(sorted_sequence: torch.Tensor, self: torch.Tensor, *, out_int32: bool = False,

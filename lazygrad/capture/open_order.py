@@ -36,14 +36,12 @@ def noting() -> Iterator[list]:
         _noted.picks = previous
 
 
-def note(picks: tuple[torch.Tensor, torch.Tensor], dim: int) -> bool:
-    """Note a traced top-k's (values, indices) as open-order; False outside `noting` (the pick
-    cannot be checked then)."""
+def note(picks: tuple[torch.Tensor, torch.Tensor], dim: int) -> None:
+    """Note a traced top-k's (values, indices) as open-order (inside `noting`: every trace is,
+    `capture`)."""
     noted = getattr(_noted, "picks", None)
-    if noted is None:
-        return False
+    assert noted is not None, "an open-order top-k traced outside `open_order.noting`"
     noted.append((picks, dim))
-    return True
 
 
 def found(gm: fx.GraphModule | None, noted: list) -> dict[str, int]:
