@@ -167,14 +167,15 @@ def _order_does_not_matter(
              *zip(turned_grads, grads, (f"gradient {i}" for i in range(len(grads))))]
     for turned, plain, what in pairs:
         try:
-            message = _mismatch(turned, plain, what)
+            message = _mismatch(turned, plain, what,
+                                names=("a run with the picks in another order", "the sorted run"))
         except VerificationError as error:
             message = str(error)
         if message is not None:
             raise VerificationError(
                 "its result depends on the order of a `topk(sorted=False)`'s picks, which "
-                f"eager's kernel chooses and the graph cannot reproduce (picks in another "
-                f"order: {message}); pass sorted=True where the order does not matter")
+                f"eager's kernel chooses and the graph cannot reproduce ({message}); pass "
+                "sorted=True where the order does not matter")
 
 
 def verify_like_eager(pair: GraphPair, primals: Sequence[torch.Tensor], eager: EagerRecord,
@@ -349,17 +350,20 @@ def _compare(actual: torch.Tensor, wanted: object, what: str) -> None:
 
 
 def _mismatch(actual: torch.Tensor, wanted: object, what: str,
-              pick: ties.Picker | None = None) -> str | None:
+              pick: ties.Picker | None = None,
+              names: tuple[str, str] = ("ORT", "torch")) -> str | None:
     """How `actual` (ORT's) differs from `wanted` (torch's) beyond `tolerance`, or None; raise
     where no rounding explains it (a shape, a dtype, NaNs elsewhere, an integer). A value that is
     not a tensor in torch (a size the backward reads) is not compared. A selection's indices
     (`pick` gives the values they pick) may differ where the values they pick are equal within
-    the tolerance: a near tie, which rounding orders either way."""
+    the tolerance: a near tie, which rounding orders either way. `names` says whose the two
+    runs are in the message."""
     if not isinstance(wanted, torch.Tensor):
         return None
+    mine, theirs = names
     if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
         raise VerificationError(
-            f"{what}: ORT gives {actual.dtype}{list(actual.shape)}, torch "
+            f"{what}: {mine} gives {actual.dtype}{list(actual.shape)}, {theirs} "
             f"{wanted.dtype}{list(wanted.shape)}"
         )
     if wanted.is_complex():  # compared as their real and imaginary parts, rounding as theirs
@@ -368,14 +372,15 @@ def _mismatch(actual: torch.Tensor, wanted: object, what: str,
     if not wanted.is_floating_point():
         if not torch.equal(actual, wanted) and not (
                 pick is not None and _same_picks(actual, wanted, pick, what)):
-            raise VerificationError(f"{what}: ORT and torch differ")
+            raise VerificationError(f"{what}: {mine} and {theirs} differ")
         return None
     error, scale, same_nans = _difference(actual, wanted)
     if not same_nans:
-        raise VerificationError(f"{what}: ORT and torch have NaNs in different places")
+        raise VerificationError(f"{what}: {mine} and {theirs} have NaNs in different places")
     relative, absolute = tolerance(wanted.dtype)
     if error > relative * scale + absolute:
-        return f"{what}: ORT differs from torch by {error:.3g} (largest magnitude {scale:.3g})"
+        return (f"{what}: {mine} differs from {theirs} by {error:.3g} "
+                f"(largest magnitude {scale:.3g})")
     return None
 
 

@@ -12,10 +12,13 @@ import copy
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 import lazygrad
+from lazygrad.capture import stacked_io
 from lazygrad.capture.trace import onnx_registry
 
 aten = torch.ops.aten
@@ -210,3 +213,45 @@ def test_expert_weights_and_their_gradients_cross_to_ort_as_slices_while_trainin
                        if node.op_type == "Transpose" and node.input[0] in weights)
         assert not [node for node in ran.graph.node
                     if node.op_type == "Gather" and node.input[0] in weights]
+
+
+def test_a_value_an_if_branch_reads_survives_the_slicing_of_stacked_weights():
+    """A Transpose of a stacked weight that only its Gathers read at the top level is dropped
+    once they read the slices (capture/stacked_io.py); one that an If's branch reads too (as
+    the checked selections of `zero_where.py` read their operands) stays, and the graph ORT
+    runs returns what the unsliced one returns."""
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None)
+        return helper.make_graph([helper.make_node(op, ["turned"], [f"{name}_out"])],
+                                 name, [], [out])
+
+    nodes = [
+        helper.make_node("Transpose", ["weight"], ["turned"], perm=[0, 2, 1]),
+        helper.make_node("Constant", [], ["zero"], value=helper.make_tensor(
+            "zero", TensorProto.INT64, [], [0])),
+        helper.make_node("Constant", [], ["one"], value=helper.make_tensor(
+            "one", TensorProto.INT64, [], [1])),
+        helper.make_node("Gather", ["turned", "zero"], ["first"], axis=0),
+        helper.make_node("Gather", ["turned", "one"], ["second"], axis=0),
+        helper.make_node("Add", ["first", "second"], ["summed"]),
+        helper.make_node("If", ["flag"], ["either"], then_branch=branch("then", "Neg"),
+                         else_branch=branch("else", "Identity")),
+    ]
+    graph = helper.make_graph(
+        nodes, "sliced",
+        [helper.make_tensor_value_info("weight", TensorProto.FLOAT, [2, 3, 4]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("summed", TensorProto.FLOAT, [4, 3]),
+         helper.make_tensor_value_info("either", TensorProto.FLOAT, [2, 4, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    sliced, inputs, _ = stacked_io.sliced(model, {"weight"})
+    assert [entry.name for entry in inputs] == ["weight"]
+    onnx.checker.check_model(sliced, full_check=True)
+    weight = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    for flag in (True, False):
+        feeds = {"weight": weight, "flag": np.array(flag)}
+        wanted = onnxruntime.InferenceSession(model.SerializeToString()).run(None, feeds)
+        feeds.update({name: weight[index] for index, name in inputs[0].slices})
+        got = onnxruntime.InferenceSession(sliced.SerializeToString()).run(None, feeds)
+        for actual, expected in zip(got, wanted):
+            np.testing.assert_array_equal(actual, expected)

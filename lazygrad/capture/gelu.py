@@ -16,7 +16,7 @@ import math
 import onnx
 import onnx.helper
 
-from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain, is_standard
+from lazygrad.capture.node_order import ORT_DOMAIN, import_ort_domain, is_standard, node_inputs
 from lazygrad.capture.onnx_constants import scalar_constants
 
 
@@ -42,7 +42,8 @@ def fuse_erf_gelu(model: onnx.ModelProto) -> onnx.ModelProto:
     if not inner:
         return model
     while True:  # inner nodes and constants whose outputs nothing reads, innermost last
-        read = {name for node in nodes for name in node.input} | {v.name for v in graph.output}
+        read = {name for node in nodes for name in node_inputs(node)}
+        read.update(value.name for value in graph.output)
         kept = [n for n in nodes if not (id(n) in inner or n.op_type == "Constant")
                 or any(o in read for o in n.output)]
         if len(kept) == len(nodes):

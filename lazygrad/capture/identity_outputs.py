@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx
 
-from lazygrad.capture.node_order import is_standard
+from lazygrad.capture.node_order import branch_inputs, is_standard, node_inputs
 from lazygrad.capture.reshaped_outputs import outputs_made_by_sources
 
 
@@ -25,7 +25,7 @@ def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     made_by = {output: node for node in graph.node for output in node.output}
     outputs = {value.name for value in graph.output}
-    in_subgraphs = _names_read_in_subgraphs(graph)
+    in_subgraphs = {name for node in graph.node for name in branch_inputs(node)}
     shapes = {value.name: _shape(value) for value in
               (*graph.input, *graph.value_info, *graph.output)}
     renamed: dict[str, str] = {}  # the Identity's source -> the output it becomes
@@ -55,7 +55,7 @@ def made_by_their_source(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _read(graph: onnx.GraphProto, dropped: set[int]) -> set[str]:
-    return {name for node in graph.node if id(node) not in dropped for name in node.input}
+    return {name for node in graph.node if id(node) not in dropped for name in node_inputs(node)}
 
 
 def _shape(value: onnx.ValueInfoProto) -> tuple | None:
@@ -66,16 +66,3 @@ def _shape(value: onnx.ValueInfoProto) -> tuple | None:
     sizes = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None
                   for d in value.type.tensor_type.shape.dim)
     return None if None in sizes else sizes
-
-
-def _names_read_in_subgraphs(graph: onnx.GraphProto) -> set[str]:
-    """Every value name a node inside one of `graph`'s subgraphs (an If's branches) reads."""
-    names: set[str] = set()
-    for node in graph.node:
-        for attribute in node.attribute:
-            subgraphs = [*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])]
-            for subgraph in subgraphs:
-                for inner in subgraph.node:
-                    names.update(inner.input)
-                names |= _names_read_in_subgraphs(subgraph)
-    return names

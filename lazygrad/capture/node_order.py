@@ -39,6 +39,25 @@ def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     return onnx.helper.get_attribute_value(found[0]) if found else default
 
 
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """The names `node` reads from its graph: its inputs and its subgraphs' (`branch_inputs`).
+    A rewrite that counts a value's readers counts these, or it drops a value a branch reads."""
+    return [*node.input, *branch_inputs(node)]
+
+
+def branch_inputs(node: onnx.NodeProto) -> list[str]:
+    """The names `node`'s subgraphs (an If's branches, `zero_where.py`'s among them) read from
+    the graphs around them. A rewrite that renames values in the graph leaves these alone."""
+    names = []
+    for field in node.attribute:
+        for subgraph in (*field.graphs, *([field.g] if field.HasField("g") else [])):
+            inner = {value.name for value in (*subgraph.input, *subgraph.initializer)}
+            inner.update(name for inner_node in subgraph.node for name in inner_node.output)
+            names.extend(name for inner_node in subgraph.node for name in node_inputs(inner_node)
+                         if name not in inner)
+    return names
+
+
 def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with every local function call replaced by the function's nodes, in its place."""
     return onnx.inliner.inline_local_functions(model) if model.functions else model
@@ -62,7 +81,7 @@ def fuse_transposed_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.append(node)
     if not fused:
         return model
-    read = {name for node in nodes for name in node.input} | {v.name for v in graph.output}
+    read = {name for node in nodes for name in node_inputs(node)} | {v.name for v in graph.output}
     nodes = [n for n in nodes if n.op_type != "Transpose" or n.output[0] in read]
     del graph.node[:]
     graph.node.extend(nodes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import onnx
 
+from lazygrad.capture.node_order import node_inputs
 from lazygrad.session import COMPLEX_OUTPUTS
 
 # The model's metadata key listing, comma-separated, the outputs returned before their Reshape:
@@ -27,7 +28,7 @@ def unreshaped_outputs(model: onnx.ModelProto, final: set[str]) -> onnx.ModelPro
     graph = model.graph
     readers: dict[str, int] = {}
     for node in graph.node:
-        for name in node.input:
+        for name in node_inputs(node):
             readers[name] = readers.get(name, 0) + 1
     made_by = {output: node for node in graph.node for output in node.output}
     outputs = {value.name for value in graph.output}
@@ -78,5 +79,5 @@ def unreshaped(model: onnx.ModelProto) -> set[str]:
 
 def final_outputs(model: onnx.ModelProto) -> set[str]:
     """The outputs of the whole backward `model` that no node reads."""
-    read = {name for node in model.graph.node for name in node.input}
+    read = {name for node in model.graph.node for name in node_inputs(node)}
     return {value.name for value in model.graph.output if value.name not in read}

@@ -22,6 +22,7 @@ import onnx.shape_inference
 import onnx.utils
 
 from lazygrad.capture import symbols
+from lazygrad.capture.node_order import node_inputs
 
 # A cut may move this far (a fraction of the stash) from its ideal point to cross less.
 _WINDOW = 0.25
@@ -63,7 +64,7 @@ def split(
     for start, stop in reversed(list(zip(bounds, bounds[1:]))):
         span = nodes[start:stop]
         made = {name for node in span for name in node.output if name}
-        read = {name for node in span for name in node.input if name and name not in made}
+        read = {name for node in span for name in node_inputs(node) if name and name not in made}
         outputs = sorted(made & later_reads)
         spans.append((sorted(read - constants), outputs))
         later_reads = (later_reads - made) | read
@@ -140,7 +141,7 @@ def _late_order(
     last_reader: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     for index, node in enumerate(nodes):
-        for name in node.input:
+        for name in node_inputs(node):
             if name:
                 last_reader[name] = index
                 consumers.setdefault(name, []).append(index)
@@ -152,7 +153,7 @@ def _late_order(
         if not after:
             continue
         made = sum(size(name) for name in node.output if name)
-        freed = sum(size(name) for name in set(node.input)
+        freed = sum(size(name) for name in set(node_inputs(node))
                     if name and name not in constants and last_reader[name] == index)
         if 2 * made >= freed:
             key[index] = min(after)
@@ -169,7 +170,7 @@ def _cuts(
     last_reader: dict[str, int] = {}
     made_at: dict[str, int] = {}
     for index, node in enumerate(nodes):
-        for name in node.input:
+        for name in node_inputs(node):
             if name:
                 last_reader[name] = index
         for name in node.output:

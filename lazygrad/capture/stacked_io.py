@@ -30,7 +30,7 @@ import onnx
 import onnx.helper
 import torch
 
-from lazygrad.capture.node_order import attribute, is_standard
+from lazygrad.capture.node_order import attribute, is_standard, node_inputs
 from lazygrad.capture.onnx_constants import scalar_constants
 from lazygrad.capture.stacked_products import stacked_block, zero_constants
 
@@ -88,7 +88,7 @@ def _sliced_inputs(graph: onnx.GraphProto, state: Collection[str]) -> list[Stack
     keep its first dimension, reads that slice as an input of its own instead."""
     reads: dict[str, list[onnx.NodeProto]] = collections.defaultdict(list)
     for node in graph.node:
-        for name in node.input:
+        for name in node_inputs(node):
             reads[name].append(node)
     constants = scalar_constants(graph)
     taken = {value.name for value in (*graph.input, *graph.output, *graph.value_info)}
@@ -159,7 +159,7 @@ def _without_unread(
     """`nodes` less those of `droppable` whose outputs nothing reads any more."""
     outputs = {value.name for value in graph.output}
     while True:
-        read = collections.Counter(name for node in nodes for name in node.input)
+        read = collections.Counter(name for node in nodes for name in node_inputs(node))
         kept = [node for node in nodes if id(node) not in droppable
                 or any(read[name] or name in outputs for name in node.output)]
         if len(kept) == len(nodes):
@@ -171,7 +171,7 @@ def _sliced_outputs(graph: onnx.GraphProto) -> list[Stacked]:
     """Each output that is a Concat along the first dimension of Unsqueeze(block, 0), one block
     per slice of a static shape, becomes its blocks, outputs of their own."""
     made_by = {name: node for node in graph.node for name in node.output}
-    reads = collections.Counter(name for node in graph.node for name in node.input)
+    reads = collections.Counter(name for node in graph.node for name in node_inputs(node))
     reads.update(value.name for value in graph.output)
     inputs = {value.name for value in (*graph.input, *graph.initializer)}
     zeros = zero_constants(graph)

@@ -17,7 +17,13 @@ import collections
 import onnx
 import onnx.helper
 
-from lazygrad.capture.node_order import ORT_DOMAIN, attribute, import_ort_domain, is_standard
+from lazygrad.capture.node_order import (
+    ORT_DOMAIN,
+    attribute,
+    import_ort_domain,
+    is_standard,
+    node_inputs,
+)
 from lazygrad.capture.onnx_constants import scalar_constants
 
 
@@ -27,7 +33,7 @@ def made_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     product computes its transpose instead."""
     graph = model.graph
     made_by = {output: node for node in graph.node for output in node.output}
-    reads = collections.Counter(name for node in graph.node for name in node.input)
+    reads = collections.Counter(name for node in graph.node for name in node_inputs(node))
     reads.update(value.name for value in graph.output)
     zeros = zero_constants(graph)
     swapped: dict[int, onnx.NodeProto] = {}  # id of a product -> its transposed form
