@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import threading
-import warnings
 
 import onnx
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from lazygrad.capture import complex_pairs, private
+from lazygrad.capture import complex_pairs, private, quiet
 from lazygrad.capture.partition import output_node, placeholders
 from lazygrad.capture.trace import in_float64, onnx_registry
 from lazygrad.session import COMPLEX_OUTPUTS
-
-# The exporter keeps state in module globals and warnings.catch_warnings swaps process-wide
-# state: one export at a time, whatever the thread.
-_lock = threading.Lock()
 
 
 def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
@@ -37,10 +31,9 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     gm, constants = _lift_constants(gm)
     inputs = placeholders(gm)
     wide = in_float64(p.meta.get("val") for p in inputs if p.name not in constants)
-    with _lock, warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+    with quiet.ignoring(), contextlib.redirect_stdout(io.StringIO()), \
             private.fx_config.patch(backed_size_oblivious=True), \
             private.float64_numbers() if wide else contextlib.nullcontext():
-        warnings.simplefilter("ignore")
         # Before the signature names the outputs: an output of float16 computed in float32
         # (a sum) gets its cast back here, and the signature must name the cast, not the sum.
         private.onnx_fx_passes.insert_type_promotion_nodes(gm)

@@ -26,7 +26,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
 
 from lazygrad import global_hooks, user_code
-from lazygrad.capture import aliases, checks, data_lengths, draws, lowerings, private, symbols
+from lazygrad.capture import (
+    aliases,
+    checks,
+    data_lengths,
+    draws,
+    lowerings,
+    private,
+    quiet,
+    symbols,
+)
 from lazygrad.capture.errors import CaptureError
 from lazygrad.eager import eager_mode
 
@@ -231,8 +240,11 @@ def trace(
             # as eager computes them (`private.recurrent_layers_as_eager`); fused ops as what
             # they compute (`lowerings.COMPOSITE`). Never beside an eager run of the user's code
             # on another thread (`user_code.py`: code that runs as compiling may assume so).
-            with user_code.traced(), torch.enable_grad() if training else torch.no_grad(), \
-                    mode, private.compiling(), private.generators_left_alone(), \
+            # Anomaly mode's warning about a backward that cannot be traced is not shown: the
+            # error is the reason lazygrad gives (`quiet.py`).
+            with user_code.traced(), quiet.ignoring("Error detected in"), \
+                    torch.enable_grad() if training else torch.no_grad(), mode, \
+                    private.compiling(), private.generators_left_alone(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
                     private.recurrent_layers_as_eager(), \
                     private.composite_kernels(lowerings.COMPOSITE), \
@@ -453,8 +465,9 @@ def describe(error: Exception) -> str:
         or ".numpy()" in message
     ):
         return (
-            "the forward depends on tensor values (a branch or loop on a tensor's value, "
-            "a size from data, a value read through NumPy) that one graph cannot capture "
+            "the forward (or its backward) depends on tensor values (a branch or loop on a "
+            "tensor's value, a size from data, a value read through NumPy) that one graph "
+            "cannot capture "
             f"as its first call read them: {type(error).__name__}: {message}"
         )
     return f"tracing failed: {type(error).__name__}: {message}"
