@@ -13,9 +13,13 @@ tree (its methods and their nested functions), of the functions that code names,
 attributes it names of the user's modules it names (`helpers.TEMPERATURE`). So are the class
 attributes of the user's module classes (`Model.scale = 2.0` set by the script after a build
 served the old graph, 8.4 off in a probe's output). Installed code (torch, transformers, the
-standard library) is not read: its module-level values are the library's. Other values (a
-function, a class) are not watched; `names_read` lists every name, for what else needs them
-(`capture/python_random.py`: a generator's method imported by name).
+standard library) is not read: its module-level values are the library's. Functions the code
+names are watched by identity (`is_code`: `ACT = act_b` set by the script after a build served
+the old graph, silently wrong), and so is the code of the user's classes it names (an
+`autograd.Function`'s forward and backward, a helper class's static methods). NumPy scalars are
+plain values (`np.exp(x)` is a `np.float64`). Other values (a class, a Python module) are not
+watched; `names_read` lists every name, for what else needs them (`capture/python_random.py`: a
+generator's method imported by name).
 """
 
 from __future__ import annotations
@@ -56,16 +60,17 @@ class GlobalsRead:
     def items(self) -> list[tuple[str, object]]:
         """(label, value) of the watched values now, tensors as themselves (the disk index
         hashes their contents)."""
-        return [(label, value) for label, value in zip(self.labels, self.values())
-                if _watched(value)]
+        return [(label, code_label(value) if is_code(value) else value)
+                for label, value in zip(self.labels, self.values()) if _watched(value)]
 
     def modes(self, values: list[object], freeze: Callable[[object], object]) -> tuple:
-        """(label, value) of the watched values: a plain one as itself; a tensor by identity
-        and version counter (a trace bakes its values in); a container or a settings object
-        as `freeze` makes it (`module_state`), left out where that is None."""
+        """(label, value) of the watched values: a plain one or a function as itself (a
+        function compares by identity); a tensor by identity and version counter (a trace
+        bakes its values in); a container or a settings object as `freeze` makes it
+        (`module_state`), left out where that is None."""
         modes = (
             (label, ("tensor", id(value), version_of(value)) if isinstance(value, torch.Tensor)
-             else value if is_plain(value) else freeze(value))
+             else value if is_plain(value) or is_code(value) else freeze(value))
             for label, value in zip(self.labels, values) if _watched(value))
         return tuple((label, mode) for label, mode in modes if mode is not None)
 
@@ -102,7 +107,27 @@ def version_of(tensor: torch.Tensor) -> int:
 
 
 def _watched(value: object) -> bool:
-    return is_plain(value) or isinstance(value, torch.Tensor) or is_settings(value)
+    return (is_plain(value) or isinstance(value, torch.Tensor) or is_settings(value)
+            or is_code(value))
+
+
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
+
+def is_code(value: object) -> bool:
+    """A function (or a bound method, a builtin, a `functools.partial`): what a trace runs is
+    decided by which one, so it is compared by identity."""
+    return isinstance(value, _CODE)
+
+
+def code_label(value: object) -> object:
+    """A function as the same value in every process (the disk index hashes it): its module
+    and qualified name (its source file is in the key), a partial's with its arguments."""
+    if isinstance(value, functools.partial):
+        keywords = tuple(sorted(value.keywords.items()))
+        return ("partial", code_label(value.func), value.args, keywords)
+    value = getattr(value, "__func__", value)
+    return ("code", getattr(value, "__module__", None), getattr(value, "__qualname__", None))
 
 
 def is_settings(value: object) -> bool:
@@ -116,9 +141,17 @@ def is_settings(value: object) -> bool:
 
 
 def is_plain(value: object) -> bool:
-    if type(value) in _PLAIN:
+    """A value compared by equality: a bool, number, string, None, dtype or device, a NumPy
+    scalar, or a tuple of them."""
+    if type(value) in _PLAIN or _is_numpy_scalar(value):
         return True
-    return type(value) is tuple and all(type(v) in _PLAIN for v in value)
+    return type(value) is tuple and all(type(v) in _PLAIN or _is_numpy_scalar(v) for v in value)
+
+
+def _is_numpy_scalar(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # not imported: no value is one
+    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(
+        value, numpy.object_)
 
 
 def _read_by(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
@@ -170,10 +203,12 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
                     and next(_user_bases(value), None) is value:
                 # A settings class (a notebook's `class CFG: temperature = 0.07`): its class
                 # attributes, as a module class's (`CFG.scale` set after a build served the
-                # old graph, 0.96 off in an output, silently).
+                # old graph, 0.96 off in an output, silently); and its code (an
+                # `autograd.Function`'s backward reading a global).
                 attributes = value.__dict__
                 yield from ((attributes, attribute, f"{value.__module__}.{value.__qualname__}"
                              f".{attribute}") for attribute in names if attribute in attributes)
+                functions.extend(_methods(value))
 
 
 class _Cells:

@@ -14,9 +14,13 @@ place after a build served the old values, silently wrong, before. So are its li
 attributes that hold only such values (plain values, tensors, and lists, tuples and dicts of
 them: indices kept as `self.keep = [0, 2]`, anchors kept in a list, a dict of scales), by their
 items: one replaced, or a tensor among them changed in place, after a build served the old
-values, silently wrong, before. And so are the plain module-level values the user's code reads
-(`code_globals.py`), compared by identity at every call, and the global module hooks registered
-(`global_hooks.py`).
+values, silently wrong, before. So are the functions it holds (`self.act = torch.tanh`, by
+identity), NumPy scalars and arrays (an array by its bytes, compared at every call: it has no
+version counter), the tensors and plain objects a plain object holds (a config's sub-config),
+and a module kept in a list outside the tree (an EMA teacher, by its tensors): each changed
+after a build served the old graph, silently wrong, before. And so are the plain module-level
+values the user's code reads (`code_globals.py`), compared by identity at every call, and the
+global module hooks registered (`global_hooks.py`).
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,8 +55,8 @@ from lazygrad.attach import LazyForward
 from lazygrad.code_globals import (
     GlobalsRead,
     functions_held,
+    is_code,
     is_plain,
-    is_settings,
     version_of,
 )
 
@@ -89,6 +94,8 @@ class _Attributes(NamedTuple):
     tensors: list[torch.Tensor]  # the submodules' plain tensor attributes (and those held in
     # their lists and dicts), the globals read
     versions: list[int]  # their version counters when read
+    arrays: list[Any]  # the NumPy arrays among the attributes (no version counter)
+    array_contents: list[bytes]  # their bytes when read
     global_values: list[object]  # the module-level values the code reads (`code_globals.py`)
 
 
@@ -125,12 +132,16 @@ class ModuleState:
         global_values = self._globals.values()
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
                 or list(map(version_of, attributes.tensors)) != attributes.versions
+                or list(map(_contents, attributes.arrays)) != attributes.array_contents
                 or not all(map(operator.is_, global_values, attributes.global_values))
                 or not _unchanged(attributes, dicts + attributes.extras)
                 or list(map(len, attributes.lists)) != attributes.list_lengths
                 or not all(map(operator.is_, _chain(attributes.lists), attributes.list_items))):
             held = self._functions_held()
-            if held != self._held:  # a hook or function added since: the values it reads
+            if held != self._held or (attributes is not None and not all(
+                    map(operator.is_, global_values, attributes.global_values))):
+                # a hook or function added since, or a global replaced (by another function):
+                # the values they read
                 self._globals, self._held = GlobalsRead(self.module), held
                 global_values = self._globals.values()
             attributes = self._attributes = _read(dicts, attributes, self._globals,
@@ -240,10 +251,8 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
         modes = previous.modes  # the same object while equal: the signature's fast path
     hooks = [hook for d in dicts for name in _HOOKS
              if isinstance(hook := d.get(name), dict)] + list(global_hooks.ALL)
-    objects = {id(v): vars(v) for d in dicts for v in d.values() if _is_plain_object(v)}
-    objects.update((id(v), vars(v)) for v in global_values
-                   if is_settings(v) and _is_plain_object(v))
-    extras = [hook for hook in hooks if hook] + list(objects.values()) + containers.dicts
+    extras = [hook for hook in hooks if hook] + list(containers.objects.values())
+    extras += containers.dicts
     watched = dicts + extras
     tensors = [v for d in dicts for v in d.values() if isinstance(v, torch.Tensor)]
     tensors += containers.tensors
@@ -261,8 +270,24 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
         list(_chain(containers.lists)),
         tensors,
         list(map(version_of, tensors)),
+        containers.arrays,
+        list(map(_contents, containers.arrays)),
         global_values,
     )
+
+
+def global_modes(module: torch.nn.Module) -> tuple:
+    """The part of the module's modes that the values its code reads make now (`_read`'s), for
+    a module tree that holds the same tensors (a build's copy of it)."""
+    state_ids = frozenset(map(id, itertools.chain(module.parameters(), module.buffers())))
+    containers = _Containers(state_ids)
+    read = GlobalsRead(module)
+    return read.modes(read.values(), lambda value: _global_mode(value, containers))
+
+
+def globals_part(modes: tuple) -> tuple:
+    """The part of `modes` (`ModuleState.read`'s) that `global_modes` makes."""
+    return modes[-2]
 
 
 # The hook dicts whose hooks run in a forward or its backward (the `_with_kwargs` and
@@ -284,22 +309,41 @@ def _global_mode(value: object, containers: _Containers) -> object:
     return containers.frozen(value)
 
 
-def _settings_of(value: object, containers: _Containers) -> tuple:
-    """A plain object's plain attributes (and its lists and dicts of them, as they are when
-    the object's `__dict__` changes: its contents are not compared at every call)."""
+def _settings_of(value: object, containers: _Containers, within: frozenset[int] = frozenset()
+                 ) -> tuple:
+    """A plain object's settings: its plain attributes (and its lists and dicts of them, as they
+    are when the object's `__dict__` changes: their contents are not compared at every call);
+    its tensors, by identity and version (compared at every call, as a module's); and the
+    settings of the plain objects it holds (a config's sub-config), whose `__dict__`s are
+    compared at every call as its own (`containers.objects`). `within`: the objects around it
+    (a cycle is not followed)."""
+    containers.objects[id(value)] = vars(value)
+    within = within | {id(value)}
     settings = _Containers(containers.state_ids)
-    return tuple((key, frozen) for key, item in vars(value).items()
-                 if (frozen := settings.frozen(item)) is not _UNWATCHED
-                 and not isinstance(item, torch.Tensor))
+    modes = []
+    for key, item in vars(value).items():
+        if isinstance(item, torch.Tensor):
+            modes.append((key, containers.frozen(item)))
+        elif _is_plain_object(item):
+            if id(item) not in within and len(within) < _DEPTH:
+                modes.append((key, ("object", _settings_of(item, containers, within))))
+        elif is_code(item):
+            modes.append((key, item))
+        elif (frozen := settings.frozen(item)) is not _UNWATCHED:
+            modes.append((key, frozen))
+    return tuple(modes)
+
+
+_DEPTH = 4  # plain objects inside plain objects followed at most (a config's sub-configs)
 
 
 def _modes_of(attributes: dict, containers: _Containers) -> tuple:
-    """A submodule's part of the signature: its plain attributes; the ids of its hooks, per
-    hook dict; its plain tensor attributes (by identity and version: a trace bakes their values
-    in as constants); its list and dict attributes of such values, item by item
-    (`containers` records what they hold); an instance `forward` (by identity); each plain
-    object's plain attributes (and its lists and dicts of them, as they are when the object's
-    `__dict__` changes: a config's contents are not compared at every call)."""
+    """A submodule's part of the signature: its plain attributes; the functions it holds (an
+    activation kept as `torch.tanh`, by identity); the ids of its hooks, per hook dict; its
+    plain tensor attributes (by identity and version: a trace bakes their values in as
+    constants); its list and dict attributes of such values, item by item (`containers`
+    records what they hold); an instance `forward` (by identity); each plain object's
+    settings (`_settings_of`: a config's)."""
     modes = [item for item in attributes.items() if is_plain(item[1])]
     for name in _HOOKS:
         if hooks := attributes.get(name):
@@ -307,10 +351,15 @@ def _modes_of(attributes: dict, containers: _Containers) -> tuple:
     modes.extend((name, ("tensor", id(value), version_of(value)))
                  for name, value in attributes.items() if isinstance(value, torch.Tensor))
     for name, value in attributes.items():
-        if type(value) in _CONTAINERS and name not in _MODULE_INTERNALS and not is_plain(value):
+        if _is_array(value):
+            modes.append((name, containers.frozen(value)))
+        elif type(value) in _CONTAINERS and name not in _MODULE_INTERNALS \
+                and not is_plain(value):
             items = containers.frozen(value)
             if items is not _UNWATCHED:
                 modes.append((name, items))
+    modes.extend(item for item in attributes.items()
+                 if is_code(item[1]) and item[0] != "forward")  # compared by identity
     forward = attributes.get("forward")
     if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
         modes.append(("forward", id(forward)))
@@ -336,11 +385,15 @@ class _Containers:
         self.lists: list[list] = []
         self.dicts: list[dict] = []
         self.tensors: list[torch.Tensor] = []
+        self.objects: dict[int, dict] = {}  # id of a plain object read -> its `__dict__`
+        self.arrays: list[Any] = []
 
     def frozen(self, value: object) -> object:
         """Plain values as themselves; a tensor by identity and version (a parameter or buffer
-        as "state": it is an input of the graph, not a constant); lists, tuples and dicts of
-        these as tuples; `_UNWATCHED` if the container holds anything else (a module, a
+        as "state": it is an input of the graph, not a constant); a NumPy array by its bytes; a
+        module (one kept in a list,
+        outside the tree, whose tensors a trace bakes in) by its tensors; lists, tuples and
+        dicts of these as tuples; `_UNWATCHED` if the container holds anything else (a
         function, an object), which is not part of the signature."""
         if is_plain(value):
             return value
@@ -362,6 +415,12 @@ class _Containers:
                 return _UNWATCHED
             self.dicts.append(value)
             return ("dict", pairs)
+        if _is_array(value):  # compared by its bytes at every call: a trace bakes them in
+            self.arrays.append(value)
+            return ("array", id(value), value.dtype.str, value.shape, _contents(value))
+        if isinstance(value, torch.nn.Module):  # kept outside the tree (an EMA copy, a teacher)
+            return ("module", id(value), tuple(
+                map(self.frozen, itertools.chain(value.parameters(), value.buffers()))))
         return _UNWATCHED
 
 
@@ -372,6 +431,15 @@ def _is_plain_object(value: object) -> bool:
     return (bool(getattr(value, "__dict__", None)) and not callable(value)
             and not isinstance(value, (dict, list, tuple, set, torch.nn.Module, torch.Tensor,
                                        type)))
+
+
+def _is_array(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # not imported: no value is one
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+def _contents(array: Any) -> bytes:
+    return array.tobytes()
 
 
 _chain = itertools.chain.from_iterable

@@ -52,7 +52,7 @@ from lazygrad.function import LazyFunction, behind_probe
 from lazygrad.graph_cache import GraphCache
 from lazygrad.graph_pair import ChecksFailed, GraphPair
 from lazygrad.index_key import index_key, pair_key, sizes_key
-from lazygrad.module_state import ModuleState, plain_attributes
+from lazygrad.module_state import ModuleState, global_modes, globals_part, plain_attributes
 from lazygrad.options import Options
 from lazygrad.outputs import OutputTemplate, sized_numbers, tensors_of
 from lazygrad.parts import parts_of
@@ -64,6 +64,7 @@ from lazygrad.signature import (
     exact_shapes,
     flatten_call,
     leaf_names,
+    named_keywords,
     opaque_leaf,
     sizes_for,
 )
@@ -115,6 +116,7 @@ class SignatureEntry:
     # graphs (the others: each call's); None: every one (a build with them each call's failed)
     fixed_lines: frozenset[tuple[str, int]] | None = frozenset()
     forecast: MaskForecast = dataclasses.field(default_factory=MaskForecast)
+    reads_changed: int = 0  # background builds dropped for `ReadChanged`
 
 
 @dataclasses.dataclass
@@ -134,19 +136,41 @@ CHECK_MISSES = 4
 NUMBER_VALUES = 8
 
 
+class ReadChanged(Exception):
+    """A background build whose trace read another value of a global, a class attribute or a
+    closed-over variable than its call did: the graphs would be another signature's."""
+
+
+# Background builds of one signature dropped for `ReadChanged` before it runs without them
+# (a value that changes at every step, faster than a trace).
+READS_CHANGED = 3
+
+
+def _unchanged_since(signature: Signature, module: torch.nn.Module) -> None:
+    """Raise ReadChanged unless the values the module's code reads make the modes the
+    signature was made with."""
+    if global_modes(module) != globals_part(signature.modes):
+        raise ReadChanged(
+            "a module-level value its code reads (a global, a class attribute, a variable a "
+            "function closes over) changed between the call and its graph's trace, at every "
+            "try: its graphs would be another call's")
+
+
 class BuildFailed(Exception):
     """Graphs for a signature could not be built or checked: the signature falls back.
 
     `where`: the submodule whose code failed (`CaptureError.where`), if known; `sizes`: a trace
     for the call's exact sizes may succeed (`CaptureError.sizes`); `whole`: the module's parts
-    would fail alike, so none is tried."""
+    would fail alike, so none is tried; `blamed`: every submodule of `where`'s class would fail
+    alike (`CaptureError.blamed`)."""
 
     def __init__(self, reason: str, where: str | None = None, sizes: bool = False,
-                 whole: bool = False) -> None:
+                 whole: bool = False, blamed: bool = True) -> None:
         super().__init__(reason)
         self.where = where
         self.sizes = sizes
         self.whole = whole
+        self.blamed = blamed
 
 
 class Runtime:
@@ -277,7 +301,7 @@ class Runtime:
             self.stats.ort_seconds += ort
 
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
-        call = flatten_call(args, kwargs)
+        call = flatten_call(args, kwargs, self._keywords)
         if any(t.is_nested or t.layout != torch.strided for t in call.tensors):
             return self._call_without_graphs(args, kwargs, call)
         if self._changing:
@@ -452,7 +476,7 @@ class Runtime:
         """A region call's step run again on the recomputation's inputs."""
         with self._lock:
             state = self._state.read()[0]
-        primals = [*state.values(), *flatten_call(args, kwargs).tensors]
+        primals = [*state.values(), *flatten_call(args, kwargs, self._keywords).tensors]
         roots = LazyFunction.apply(step, *primals)
         return self._outputs(step.pair, entry, roots, primals, env)
 
@@ -504,6 +528,11 @@ class Runtime:
             "parts", ", so its calls with a new value run in eager PyTorch (pass a number that "
             "changes from call to call as a tensor)", stacklevel=10)
         return True
+
+    @property
+    def _keywords(self) -> frozenset[str]:
+        """The keywords the module's own forward names (their order is not part of a key)."""
+        return named_keywords(attach.original_forward(type(self.module)))
 
     def _leaf_names(self, args: tuple, kwargs: dict) -> list[str]:
         """Each argument leaf's name in messages, by the module's own forward's parameters."""
@@ -731,6 +760,10 @@ class Runtime:
                 if mask is not None and entry.plan is None:
                     entry.plan = mask
                 return
+            if isinstance(failure, ReadChanged):  # the next call of the signature builds again
+                entry.reads_changed += 1
+                if entry.reads_changed < READS_CHANGED:
+                    return
         self._give_up_on(signature, failure)
 
     def _add(self, key: tuple[Signature, Mask | None], built: PairEntry,
@@ -783,7 +816,10 @@ class Runtime:
             raise BuildFailed(str(error)) from error
         except (CaptureError, VerificationError) as error:
             raise BuildFailed(str(error), getattr(error, "where", None),
-                              getattr(error, "sizes", False)) from error
+                              getattr(error, "sizes", False),
+                              blamed=getattr(error, "blamed", True)) from error
+        except ReadChanged:
+            raise
         except Exception as error:  # a bug of ours: the signature stays eager, never a crash
             # in the step that waited for the build (torch failing to run a captured graph in
             # the check raised from the user's backward)
@@ -836,8 +872,17 @@ class Runtime:
         fixed: frozenset[tuple[str, int]],
     ) -> tuple[GraphPair, bool]:
         """Capture (the values from data at the lines `fixed` the first call's); load the
-        graphs from disk or export and check them. (pair, from disk)"""
+        graphs from disk or export and check them. (pair, from disk)
+
+        A background build traces after its call, while the training script goes on: a value
+        the code reads (a module-level coefficient set at every step) may be another by then,
+        so the trace would make the graphs of another signature than the call's. Such a build
+        is dropped (`ReadChanged`)."""
+        if background:
+            _unchanged_since(signature, module)
         captured, key = self._trace(signature, entry, mask, primals, module, fixed)
+        if background:
+            _unchanged_since(signature, module)
         graphs = self._disk.load(key) if self._disk else None
         if graphs is not None:
             self._index(entry, mask, key)
@@ -1069,10 +1114,11 @@ class Runtime:
         """`_give_up` with what a failed build says (`BuildFailed`; another exception: its
         message)."""
         self._give_up(signature, str(failure), getattr(failure, "where", None),
-                      getattr(failure, "sizes", False), getattr(failure, "whole", False))
+                      getattr(failure, "sizes", False), getattr(failure, "whole", False),
+                      getattr(failure, "blamed", True))
 
     def _give_up(self, signature: Signature, reason: str, where: str | None = None,
-                 sizes: bool = False, whole: bool = False) -> None:
+                 sizes: bool = False, whole: bool = False, blamed: bool = True) -> None:
         """The signature cannot run through ORT whole: run it in parts if the module has any
         (`parts.py`), else in eager PyTorch for good. One warning per reason.
 
@@ -1082,7 +1128,8 @@ class Runtime:
         `sizes`: the trace failed with sizes as symbols (`BuildFailed.sizes`); the signature
         is traced again for each call's exact sizes, as a signature is when a call breaks what
         its trace assumed of them, and gives up only if that fails too. `whole`: no part is
-        tried (`BuildFailed.whole`).
+        tried (`BuildFailed.whole`). `blamed` False: `where` is named, and its class not held
+        to fail (`BuildFailed.blamed`).
         """
         if sizes and signature.shapes is not None and any(map(any, signature.dynamic_dims)):
             with self._lock:
@@ -1092,7 +1139,7 @@ class Runtime:
             return
         cause = reason
         reason = f"{type(self.module).__name__}: {reason}"
-        culprits = self._culprits(where)
+        culprits = self._culprits(where) if blamed else []
         if culprits:
             kind = type(self.module.get_submodule(culprits[0])).__name__
             reason += (f" (in {where}, a {kind}: every {kind} with its settings runs without "

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import math
 import operator
 import threading
 import types
@@ -63,6 +64,7 @@ class Signature:
     modes: tuple  # plain attributes of every submodule, its train/eval flag among them
     grad: bool  # autograd records this call (grad mode on and something requires grad)
     autocast: tuple[tuple[str, bool, torch.dtype | None], ...]  # the trace records its casts
+    default_dtype: torch.dtype  # of the tensors the forward makes (`torch.zeros(n)`)
     structure: pytree.TreeSpec
     tensors: tuple[TensorMeta, ...]
     constants: tuple[Hashable, ...]
@@ -73,8 +75,8 @@ class Signature:
 
     def __post_init__(self) -> None:
         # A signature is hashed by every cache lookup of a call: once is enough.
-        fields = (self.modes, self.grad, self.autocast, self.structure, self.tensors,
-                  self.constants, self.state, self.state_layouts, self.shapes)
+        fields = (self.modes, self.grad, self.autocast, self.default_dtype, self.structure,
+                  self.tensors, self.constants, self.state, self.state_layouts, self.shapes)
         object.__setattr__(self, "_hash", hash(fields))
 
     def __hash__(self) -> int:
@@ -143,14 +145,35 @@ class FlatCall:
         return pytree.tree_unflatten(leaves, self.structure)
 
 
-def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
+def flatten_call(args: tuple, kwargs: dict, named: Collection[str] = ()) -> FlatCall:
+    """The call's leaves and structure; `named`: the keywords the forward names (`named_keywords`),
+    whose order does not change the key."""
     if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
         # The common call, `model(*tensors)`: its structure depends on the count alone.
         return FlatCall(list(args), _tensors_structure(len(args)), list(range(len(args))))
-    # Keyword order does not change a Python call's meaning, so it does not change the key.
-    leaves, structure = flatten((args, dict(sorted(kwargs.items()))))
+    leaves, structure = flatten((args, keywords_in_order(kwargs, named)))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     return FlatCall(leaves, structure, positions)
+
+
+def keywords_in_order(kwargs: dict, named: Collection[str]) -> dict:
+    """The call's keywords in the key's order: those the forward names, sorted (Python binds
+    them by name, so their order changes nothing), then the others, which its `**kwargs`
+    receives, in the caller's order (a forward that iterates them sees it)."""
+    ordered = {name: kwargs[name] for name in sorted(kwargs) if name in named}
+    ordered.update((name, value) for name, value in kwargs.items() if name not in named)
+    return ordered
+
+
+@functools.cache
+def named_keywords(forward: Callable[..., Any]) -> frozenset[str]:
+    """The parameters of `forward` a keyword argument binds by name."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def opaque_leaf(call: FlatCall) -> int | None:
@@ -175,11 +198,12 @@ def leaf_names(args: tuple, kwargs: dict, forward: Callable[..., Any]) -> list[s
         parameters = []
     positional = [p.name for p in parameters
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kwargs = keywords_in_order(kwargs, named_keywords(forward))
     try:
         paths = [path for path, _ in
-                 pytree.tree_flatten_with_path((args, dict(sorted(kwargs.items()))))[0]]
+                 pytree.tree_flatten_with_path((args, kwargs))[0]]
     except Exception:  # a pytree node type registered without key paths
-        count = len(flatten((args, dict(sorted(kwargs.items()))))[0])
+        count = len(flatten((args, kwargs))[0])
         return [f"argument leaf {i}" for i in range(count)]
     names = []
     for path in paths:
@@ -250,9 +274,10 @@ class LastSignature:
     A training loop calls with one signature step after step. A new `Signature` costs hashing
     its modes and argument structure, and then each cache lookup compares it field by field;
     instead this call's parts (dtypes, shapes, devices, requires_grad, grad mode, autocast,
-    constants: everything a signature holds) are compared with the last call's, the modes and
-    the structure by identity first (`ModuleState` and `flatten_call` hand back the same
-    objects while unchanged), and the last object is returned, so lookups hit on identity.
+    default dtype, constants: everything a signature holds) are compared with the last
+    call's, the modes and the structure by identity first (`ModuleState` and `flatten_call`
+    hand back the same objects while unchanged), and the last object is returned, so lookups
+    hit on identity.
     """
 
     def __init__(self) -> None:
@@ -279,8 +304,8 @@ def _parts(call: FlatCall, state: dict[str, torch.Tensor], modes: tuple) -> tupl
     grad = torch.is_grad_enabled() and (
         any(map(_requires_grad, tensors)) or any(map(_requires_grad, states))
     )
-    return (modes, grad, _autocast(), call.structure, tensors, constants, states,
-            _layouts(state.values()))
+    return (modes, grad, _autocast(), torch.get_default_dtype(), call.structure, tensors,
+            constants, states, _layouts(state.values()))
 
 
 _requires_grad = operator.itemgetter(3)  # of a TensorMeta and of a state's meta
@@ -314,5 +339,7 @@ def _hashable(value: Any, position: int) -> Hashable:
             "tensor nor hashable; non-tensor arguments are baked into the exported graph and "
             "must be hashable so the graph can be looked up again"
         ) from None
+    if type(value) is float:  # -0.0 == 0.0, and a forward may tell them apart (copysign)
+        return (float, (value, math.copysign(1.0, value)))
     return (type(value), value)
 

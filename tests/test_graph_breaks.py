@@ -381,3 +381,67 @@ def test_a_backward_that_reads_a_value_is_said_once_without_torchs_anomaly_warni
     assert "its backward" in shown[0]
     stats = lazygrad.stats(lazy)
     assert stats.breaks == 1 and stats.parts["linear"].hits >= 2
+
+
+class TensorOfItsValues(torch.nn.Module):
+    """`torch.tensor` of a list of 0-d tensors made from data (Qwen2-VL's rope deltas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, positions):
+        deltas = torch.tensor([row.max() + 1 for row in positions])
+        return torch.tanh(self.linear(x)) * deltas[:, None, None]
+
+
+def test_a_tensor_of_tensors_values_is_refused_with_its_reason_not_a_crash():
+    """`torch.tensor` reads each element below torch's Python dispatch, where the trace's check
+    of the value read (`checks.py`) met a functional tensor bare: the process died (SIGSEGV)
+    while tracing Qwen2-VL and GLM-4V."""
+    torch.manual_seed(0)
+    eager = TensorOfItsValues()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    positions = torch.arange(10).reshape(2, 5)
+    with pytest.warns(lazygrad.GraphBreakWarning, match="`torch.tensor` of a list of tensors"):
+        for step in range(3):
+            squares_step_like_eager(lazy, eager, (torch.randn(2, 5, 4), positions),
+                                    f"step {step}")
+    assert lazygrad.stats(lazy).parts["linear"].hits >= 1
+
+
+class SplitsByLengths(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, bounds):
+        lengths = (bounds[1:] - bounds[:-1]).tolist()
+        return torch.cat([part.cumsum(0).tanh() for part in self.linear(x).split(lengths)])
+
+
+class BoundsFromData(torch.nn.Module):
+    """Reads its bounds from data (`unique_consecutive`), which its child splits by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = torch.nn.Linear(4, 4)
+        self.attention = SplitsByLengths()
+
+    def forward(self, x, raw):
+        return self.attention(self.before(x), torch.unique_consecutive(raw))
+
+
+def test_a_child_branching_on_a_size_its_parent_read_from_data_is_captured_on_its_own():
+    """The parent's trace fails inside the child, on a size the parent read: the child's class
+    was held to fail alike and ran eagerly (Qwen2.5-VL's vision attention). Traced on its own,
+    the size is its input's: it runs through ORT."""
+    torch.manual_seed(0)
+    eager = BoundsFromData()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    raw = torch.tensor([0, 4, 4, 8])
+    with pytest.warns(lazygrad.GraphBreakWarning, match="depends on tensor values"):
+        for step in range(4):
+            squares_step_like_eager(lazy, eager, (torch.randn(8, 4), raw), f"step {step}")
+    parts = lazygrad.stats(lazy).parts
+    assert parts["attention"].hits >= 2 and parts["attention"].fallbacks == 0

@@ -50,8 +50,9 @@ def _of_transposed(h):
 
 def _random_integers(h):
     """`random_(low, high)` and `random_(high)` (the first's overload, named `from`, made the
-    trace's Python code invalid: the model ran in parts)."""
-    return h * torch.empty_like(h).random_(1, 4) + torch.empty_like(h).random_(3)
+    trace's Python code invalid: the model ran in parts), and `randint_like`."""
+    return h * torch.empty_like(h).random_(1, 4) + torch.empty_like(h).random_(3) \
+        + torch.randint_like(h, 5) * torch.randint_like(h, -2, 2)  # RT-DETR's (refused before)
 
 
 RANDOM = {

@@ -450,12 +450,21 @@ def test_eager_steps_never_run_beside_a_trace_of_the_same_code():
 
 
 class _TraceLog:
-    """What a trace of `SignalsItsTrace` and the test did, in order (class attributes: a
-    background trace runs a copy of the module's structure)."""
+    """What a trace of `SignalsItsTrace` and the test did, in order (a module-level object: a
+    background trace runs a copy of the module's structure). Callable, so no setting of the
+    forward's (`code_globals.is_settings`): the trace changes it, and a build whose trace
+    changed a value the forward reads is dropped (`runtime.ReadChanged`)."""
 
-    events: list[str] = []
-    started = threading.Event()  # a trace started
-    go_on = threading.Event()  # the trace may end
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.started = threading.Event()  # a trace started
+        self.go_on = threading.Event()  # the trace may end
+
+    def __call__(self, event: str) -> None:
+        self.events.append(event)
+
+
+_trace_log = _TraceLog()
 
 
 class SignalsItsTrace(torch.nn.Module):
@@ -468,11 +477,11 @@ class SignalsItsTrace(torch.nn.Module):
 
     def forward(self, x):
         if torch.compiler.is_compiling():
-            _TraceLog.events.append("trace starts")
-            _TraceLog.started.set()
-            _TraceLog.go_on.wait(60)
+            _trace_log("trace starts")
+            _trace_log.started.set()
+            _trace_log.go_on.wait(60)
             time.sleep(0.2)  # time for a call on another thread to start, were it let
-            _TraceLog.events.append("trace ends")
+            _trace_log("trace ends")
         return self.linear(x).tanh()
 
 
@@ -483,18 +492,18 @@ def test_other_models_module_calls_wait_while_a_trace_runs():
     plain Llama stepped beside a lazy one crashed in 2 of 3 runs ("expected an instance of
     Token"). While a trace runs in the background, another thread's module call waits for it
     (before its own hooks), then runs as it would."""
-    _TraceLog.events.clear()
-    _TraceLog.started.clear()
-    _TraceLog.go_on.clear()
+    _trace_log.events.clear()
+    _trace_log.started.clear()
+    _trace_log.go_on.clear()
     lazy = lazygrad.lazy(SignalsItsTrace(), wait_for_builds=False)
     plain = torch.nn.Linear(8, 8)
-    plain.register_forward_pre_hook(lambda module, args: _TraceLog.events.append("plain"))
+    plain.register_forward_pre_hook(lambda module, args: _trace_log("plain"))
     x = torch.randn(2, 8)
     lazy(x).sum().backward()  # the first call runs eagerly, its backward queues the build
-    assert _TraceLog.started.wait(60), "no trace started"
-    _TraceLog.go_on.set()
+    assert _trace_log.started.wait(60), "no trace started"
+    _trace_log.go_on.set()
     torch.testing.assert_close(plain(x), torch.nn.functional.linear(x, plain.weight, plain.bias))
-    events = _TraceLog.events
+    events = _trace_log.events
     assert events[0] == "trace starts" and events[-2:] == ["trace ends", "plain"], events
     while not lazygrad.stats(lazy).builds:  # the build goes on, and serves the next calls
         time.sleep(0.01)

@@ -772,3 +772,44 @@ def test_a_global_hook_registered_after_a_build_is_not_skipped_by_the_old_graphs
         for handle in handles:
             handle.remove()
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+class TracksItsRange(torch.nn.Module):
+    """Keeps a running minimum as a buffer it assigns anew at every call (I-BERT's `QuantAct`),
+    or, `grows`, one it replaces with a longer tensor."""
+
+    def __init__(self, grows: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("low", torch.zeros(1))
+        self.grows = grows
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        if self.grows:
+            self.low = torch.cat([self.low, y.detach().min().reshape(1)])
+        else:
+            self.low = self.low * 0.9 + y.detach().min() * 0.1
+        return y
+
+
+@pytest.mark.parametrize("grows", [False, True])
+def test_a_buffer_the_forward_assigns_anew_is_updated_as_eager_updates_it(grows):
+    """The trace swaps its own tensors into the module and restores them after: a buffer the
+    forward replaced was restored too, the graph never updated it, and ORT steps left it at
+    its first value, silently (I-BERT's ranges). Its new value is written into the buffer now;
+    one of another shape is refused with its reason, and eager's runs."""
+    torch.manual_seed(0)
+    eager = TracksItsRange(grows)
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            sum_step_like_eager(lazy, eager, (torch.randn(3, 4) * (step + 1),), f"step {step}")
+            assert_close(lazy.low, eager.low, f"step {step}: the buffer")
+    stats = lazygrad.stats(lazy)
+    if grows:
+        assert any("replaces its buffer 'low'" in str(w.message) for w in caught)
+        assert stats.hits == 0
+    else:
+        assert not caught and stats.hits == 4 and (stats.fallbacks, stats.breaks) == (0, 0)

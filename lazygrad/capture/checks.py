@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lazygrad.capture import data_lengths, private, selections
+from lazygrad.capture.errors import CaptureError
 
 _state = threading.local()
 
@@ -386,6 +387,11 @@ class _Reads:
         know (bound to its line, with the first call's: `data_lengths.py`); or, where the first
         call read nothing there, `read(tensor)`."""
         site = _site(frame, self._counts)
+        if private.below_python_dispatch():
+            raise CaptureError(
+                "the forward makes a tensor of tensors' values (`torch.tensor` of a list of "
+                "tensors computed from data), which a trace cannot check as it reads them; "
+                "`torch.stack` of them is traced")
         value = self.values.get(site)
         if value is None:
             return read(tensor)

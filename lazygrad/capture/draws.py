@@ -10,7 +10,7 @@ Each draw replays the call eager PyTorch's CPU kernel makes, so under the same s
 draws what eager draws (and leaves the generator where eager leaves it), in the graph's order,
 which is the program's:
 
-- `rand`, `randn` (and `_like`), `uniform_`, `normal_`, `exponential_`, `randint`, `randperm`:
+- `rand`, `randn`, `randint` (and `_like`), `uniform_`, `normal_`, `exponential_`, `randperm`:
   the same call, of the op's shape, dtype and parameters;
 - `bernoulli_(p)` of a float p (Dropout: `empty_like(x).bernoulli_(1 - p)`, then
   `x * (noise / (1 - p))`; `dropout2d`, `alpha_dropout`): the same call;
@@ -101,6 +101,10 @@ _DIRECT = {
     aten.bernoulli.p: ("bernoulli", lambda args, kwargs: (_arg(args, kwargs, 1, "p", 0.5),)),
     aten.randint.default: ("randint", lambda args, kwargs: (0, args[0])),
     aten.randint.low: ("randint", lambda args, kwargs: (args[0], args[1])),
+    aten.randint_like.default: ("randint", lambda args, kwargs: (
+        0, _arg(args, kwargs, 1, "high", 0))),
+    aten.randint_like.low_dtype: ("randint", lambda args, kwargs: (
+        _arg(args, kwargs, 1, "low", 0), _arg(args, kwargs, 2, "high", 0))),
     aten.randperm.default: ("randperm", lambda args, kwargs: ()),
 }
 _BERNOULLI_OF_TENSOR = {aten.bernoulli.default, aten.bernoulli.Tensor}

@@ -12,11 +12,16 @@ class CaptureError(RuntimeError):
     `lines`: the lines of code whose lengths or integers read from data the trace made as
     each call's data says and could not go on with (`data_lengths.py`): a trace with the first
     call's there may succeed.
+    `blamed`: the failure is `where`'s own code's, so every submodule of its class and settings
+    would fail alike. Not so of a branch on a size read from data, which a module around it
+    may have read (Qwen2.5-VL's vision attention splits by lengths its parent read): traced on
+    its own, the size is its input's, and it may capture.
     """
 
     def __init__(self, message: str, where: str | None = None, sizes: bool = False,
-                 lines: frozenset[tuple[str, int]] = frozenset()) -> None:
+                 lines: frozenset[tuple[str, int]] = frozenset(), blamed: bool = True) -> None:
         super().__init__(message)
         self.where = where
         self.sizes = sizes
         self.lines = lines
+        self.blamed = blamed

@@ -341,6 +341,13 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def below_python_dispatch() -> bool:
+    """Whether this thread runs with the Python dispatch key excluded: inside `torch.tensor(...)`
+    of tensors, which reads each element with `item()` below it and below functionalization. A
+    tensor op there met a trace's functional wrapper bare, and the process died (SIGSEGV)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)
+
+
 def queue_at_backward_end(callback: Callable[[], None]) -> None:
     """Run `callback` when the backward running now ends (autograd engine's own queue)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -255,7 +255,9 @@ def trace(
         except Exception as error:
             raise CaptureError(describe(error), failing_submodule(error, names),
                                sizes=any(map(any, dynamic)),
-                               lines=data_lengths.lines_branched_on(error)) from error
+                               lines=data_lengths.lines_branched_on(error),
+                               blamed=not isinstance(error, private.GuardOnDataDependentSymNode)
+                               ) from error
         finally:  # AOTAutograd leaves the trace's fake seed and offset (and its fake mode) there
             private.PhiloxStateTracker.reset()
         mutated = [i for i, (f, v) in enumerate(zip(fakes, versions)) if f._version != v]
@@ -358,7 +360,8 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
     still reached the graph as a constant was read around that swap, from a module object the
     code holds outside the traced tree (an instance `forward` closing over a submodule, a
     global naming the model, while a copy of the tree is traced). Baked in, its value would
-    never change and it would get no gradient. Called once the module holds its own tensors
+    never change and it would get no gradient; so would any tensor that requires grad held
+    outside the tree (a teacher module kept in a list). Called once the module holds its own tensors
     again (`unchanged`: with tied weights the swap may leave trace tensors in it until then)."""
     state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
              if t.numel()}
@@ -368,6 +371,14 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
             "the module's tree (a closure or a global naming it), which a trace would bake "
             "in as a constant without its gradient"
         )
+    for node in gm.graph.nodes:
+        value = operator.attrgetter(node.target)(gm) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise CaptureError(
+                "the forward reads a tensor that requires grad and is none of the module's "
+                "parameters (one of a module kept outside its tree, in a list or a plain "
+                "attribute): eager gives it a gradient, a graph would hold it as a constant; "
+                "register its module as a submodule, or `requires_grad_(False)` it")
 
 
 def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
@@ -521,7 +532,48 @@ class _Original(torch.nn.Module):
         self.forward_fn = forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward_fn(self.inner, *args, **kwargs)
+        swapped = _state_entries(self.inner)
+        result = self.forward_fn(self.inner, *args, **kwargs)
+        _replaced_buffers_written(swapped)
+        return result
+
+
+def _state_entries(module: torch.nn.Module) -> list[tuple[str, dict, str, torch.Tensor]]:
+    """(qualified name, the dict holding it, its key, the tensor) of every parameter and buffer
+    of the tree: during a trace, the tensors `functional_call` swapped in."""
+    entries = []
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for table in (owner._parameters, owner._buffers):
+            entries.extend((f"{prefix}.{key}".lstrip("."), table, key, tensor)
+                           for key, tensor in table.items() if tensor is not None)
+    return entries
+
+
+def _replaced_buffers_written(swapped: list[tuple[str, dict, str, torch.Tensor]]) -> None:
+    """A forward that assigns a buffer a new tensor (`self.x_min = self.x_min * 0.95 + ...`, a
+    running range) replaced the tensor `functional_call` swapped in, which it then restored:
+    the trace saw no update, and ORT steps left the buffer at its first value, silently. Such
+    a value is written into the swapped-in buffer instead, an update of it the graph makes as
+    it makes a running mean's; a parameter replaced, or a buffer by one it cannot hold, is
+    refused."""
+    for name, table, key, tensor in swapped:
+        new = table[key] if key in table else None  # noqa: SIM401 (TorchScript: no `get`)
+        if new is tensor:
+            continue
+        if isinstance(new, torch.nn.Parameter) or isinstance(tensor, torch.nn.Parameter):
+            raise CaptureError(f"the forward replaces its parameter {name!r}: a graph cannot")
+        if not isinstance(new, torch.Tensor) or new.requires_grad or (
+                new.shape, new.dtype, new.device) != (tensor.shape, tensor.dtype, tensor.device):
+            raise CaptureError(
+                f"the forward replaces its buffer {name!r} with "
+                + (f"{type(new).__name__}" if not isinstance(new, torch.Tensor) else
+                   f"a tensor of {new.dtype}{list(new.shape)}"
+                   + (" that requires grad" if new.requires_grad else ""))
+                + f" where it held {tensor.dtype}{list(tensor.shape)}: a graph updates a "
+                "buffer in place")
+        with torch.no_grad():
+            tensor.copy_(new)
+        table[key] = tensor
 
 
 class Functional:
