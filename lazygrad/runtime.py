@@ -301,7 +301,7 @@ class Runtime:
             self.stats.ort_seconds += ort
 
     def _dispatch(self, args: tuple, kwargs: dict) -> Any:
-        call = flatten_call(args, kwargs, self._keywords)
+        call = flatten_call(args, kwargs, self._keywords if kwargs else ())
         if any(t.is_nested or t.layout != torch.strided for t in call.tensors):
             return self._call_without_graphs(args, kwargs, call)
         if self._changing:
