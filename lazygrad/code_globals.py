@@ -131,10 +131,10 @@ def code_label(value: object) -> object:
 
 
 def is_settings(value: object) -> bool:
-    """A list, tuple or dict, or an instance of a plain class holding settings (a config, an
+    """A list, tuple, dict or set, or an instance of a plain class holding settings (a config, an
     argparse namespace): attributes of its own, and not a module, a tensor, a type, a
     callable or a Python module."""
-    if type(value) in (list, tuple, dict):
+    if type(value) in (list, tuple, dict, set, frozenset):
         return True
     return (bool(getattr(value, "__dict__", None)) and not callable(value)
             and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)))

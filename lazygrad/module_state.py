@@ -96,6 +96,8 @@ class _Attributes(NamedTuple):
     versions: list[int]  # their version counters when read
     arrays: list[Any]  # the NumPy arrays among the attributes (no version counter)
     array_contents: list[bytes]  # their bytes when read
+    sets: list[set]  # the sets of plain values read
+    set_contents: list[frozenset]  # their contents when read
     global_values: list[object]  # the module-level values the code reads (`code_globals.py`)
 
 
@@ -133,6 +135,7 @@ class ModuleState:
         if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
                 or list(map(version_of, attributes.tensors)) != attributes.versions
                 or list(map(_contents, attributes.arrays)) != attributes.array_contents
+                or list(map(frozenset, attributes.sets)) != attributes.set_contents
                 or not all(map(operator.is_, global_values, attributes.global_values))
                 or not _unchanged(attributes, dicts + attributes.extras)
                 or list(map(len, attributes.lists)) != attributes.list_lengths
@@ -272,6 +275,8 @@ def _read(dicts: list[dict], previous: _Attributes | None, globals_read: Globals
         list(map(version_of, tensors)),
         containers.arrays,
         list(map(_contents, containers.arrays)),
+        containers.sets,
+        list(map(frozenset, containers.sets)),
         global_values,
     )
 
@@ -369,7 +374,7 @@ def _modes_of(attributes: dict, containers: _Containers) -> tuple:
     return tuple(modes)
 
 
-_CONTAINERS = (list, tuple, dict)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 _UNWATCHED = object()
 # The containers every module holds for itself (parameters, buffers, submodules, hooks): their
 # contents are the module's structure, not settings.
@@ -387,14 +392,15 @@ class _Containers:
         self.tensors: list[torch.Tensor] = []
         self.objects: dict[int, dict] = {}  # id of a plain object read -> its `__dict__`
         self.arrays: list[Any] = []
+        self.sets: list[set] = []
 
     def frozen(self, value: object) -> object:
         """Plain values as themselves; a tensor by identity and version (a parameter or buffer
         as "state": it is an input of the graph, not a constant); a NumPy array by its bytes; a
-        module (one kept in a list,
-        outside the tree, whose tensors a trace bakes in) by its tensors; lists, tuples and
-        dicts of these as tuples; `_UNWATCHED` if the container holds anything else (a
-        function, an object), which is not part of the signature."""
+        set of plain values by its contents; a module (one kept in a list, outside the tree,
+        whose tensors a trace bakes in) by its tensors; lists, tuples and dicts of these as
+        tuples; `_UNWATCHED` if the container holds anything else (a function, an object),
+        which is not part of the signature."""
         if is_plain(value):
             return value
         if isinstance(value, torch.Tensor):
@@ -415,6 +421,10 @@ class _Containers:
                 return _UNWATCHED
             self.dicts.append(value)
             return ("dict", pairs)
+        if type(value) in (set, frozenset) and all(map(is_plain, value)):
+            if type(value) is set:  # compared at every call: changed in place, it is the same
+                self.sets.append(value)
+            return ("set", frozenset(value))
         if _is_array(value):  # compared by its bytes at every call: a trace bakes them in
             self.arrays.append(value)
             return ("array", id(value), value.dtype.str, value.shape, _contents(value))

@@ -756,19 +756,24 @@ class ReadsGlobalSettings(torch.nn.Module):
 
     def forward(self, x):
         h = self.linear(x) * CONFIG["scale"] + CONFIG["shift"][1] + CFG.bias
+        h = h.index_fill(1, torch.tensor(sorted(KEPT)), 0.0)
         return torch.tanh(h / OPTIONS.temperature)
 
 
+KEPT = {0, 1}  # a script's set of the columns kept
+
+
 @pytest.mark.parametrize("change", ["dict item", "list item in a dict", "object attribute",
-                                    "class attribute"])
+                                    "class attribute", "set item"])
 def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monkeypatch):
-    """A settings dict, object or class the forward reads, changed in place by the script
-    after a build (the same object: its identity was all that was watched, or a class not at
-    all), served the old graph: 1.9 and 0.96 off in outputs, silently. Their contents are part
-    of the signature now."""
+    """A settings dict, object, class or set the forward reads, changed in place by the script
+    after a build (the same object: its identity was all that was watched, or a class or a set
+    not at all), served the old graph: 1.9 and 0.96 off in outputs, silently. Their contents
+    are part of the signature now."""
     monkeypatch.setitem(globals(), "CONFIG", {"scale": 2.0, "shift": [0.5, 0.25]})
     monkeypatch.setitem(globals(), "OPTIONS", Options())
     monkeypatch.setattr(CFG, "bias", 0.0)
+    monkeypatch.setitem(globals(), "KEPT", {0, 1})
     torch.manual_seed(0)
     eager = ReadsGlobalSettings()
     lazy = lazy_copy(eager, wait_for_builds=True)
@@ -780,6 +785,8 @@ def test_a_global_dict_or_settings_object_changed_in_place_is_seen(change, monke
                 CONFIG["shift"][1] = -1.0
             elif change == "object attribute":
                 OPTIONS.temperature = 0.5
+            elif change == "set item":
+                KEPT.add(3)
             else:
                 CFG.bias = 1.0
         sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
