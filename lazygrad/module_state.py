@@ -15,10 +15,9 @@ attributes that hold only such values (plain values, tensors, and lists, tuples 
 them: indices kept as `self.keep = [0, 2]`, anchors kept in a list, a dict of scales), by their
 items: one replaced, or a tensor among them changed in place, after a build served the old
 values, silently wrong, before. So are the functions it holds (`self.act = torch.tanh`, by
-identity), NumPy scalars and arrays (an array by its bytes, compared at every call: it has no
-version counter), the tensors and plain objects a plain object holds (a config's sub-config),
-and a module kept in a list outside the tree (an EMA teacher, by its tensors): each changed
-after a build served the old graph, silently wrong, before. And so are the plain module-level
+identity), NumPy scalars and arrays (an array of up to `ARRAY_BYTES` by its bytes, compared at
+every call: it has no version counter) and sets of plain values: each changed after a build
+served the old graph, silently wrong, before. And so are the plain module-level
 values the user's code reads (`code_globals.py`), compared by identity at every call, and the
 global module hooks registered (`global_hooks.py`).
 
@@ -314,32 +313,22 @@ def _global_mode(value: object, containers: _Containers) -> object:
     return containers.frozen(value)
 
 
-def _settings_of(value: object, containers: _Containers, within: frozenset[int] = frozenset()
-                 ) -> tuple:
-    """A plain object's settings: its plain attributes (and its lists and dicts of them, as they
-    are when the object's `__dict__` changes: their contents are not compared at every call);
-    its tensors, by identity and version (compared at every call, as a module's); and the
-    settings of the plain objects it holds (a config's sub-config), whose `__dict__`s are
-    compared at every call as its own (`containers.objects`). `within`: the objects around it
-    (a cycle is not followed)."""
+def _settings_of(value: object, containers: _Containers) -> tuple:
+    """A plain object's plain attributes and the functions it holds (and its lists, dicts and
+    sets of plain values, as they are when the object's `__dict__` changes: their contents are
+    not compared at every call). Not the tensors and objects it holds: a trainer's or a run's
+    state object (its step counter a level down, a loss kept as a tensor) changes at every
+    step, and every step was a new signature, built and never served."""
     containers.objects[id(value)] = vars(value)
-    within = within | {id(value)}
     settings = _Containers(containers.state_ids)
     modes = []
     for key, item in vars(value).items():
-        if isinstance(item, torch.Tensor):
-            modes.append((key, containers.frozen(item)))
-        elif _is_plain_object(item):
-            if id(item) not in within and len(within) < _DEPTH:
-                modes.append((key, ("object", _settings_of(item, containers, within))))
-        elif is_code(item):
+        if is_code(item):
             modes.append((key, item))
-        elif (frozen := settings.frozen(item)) is not _UNWATCHED:
+        elif not isinstance(item, torch.Tensor) and (
+                frozen := settings.frozen(item)) is not _UNWATCHED:
             modes.append((key, frozen))
     return tuple(modes)
-
-
-_DEPTH = 4  # plain objects inside plain objects followed at most (a config's sub-configs)
 
 
 def _modes_of(attributes: dict, containers: _Containers) -> tuple:
@@ -397,10 +386,10 @@ class _Containers:
     def frozen(self, value: object) -> object:
         """Plain values as themselves; a tensor by identity and version (a parameter or buffer
         as "state": it is an input of the graph, not a constant); a NumPy array by its bytes; a
-        set of plain values by its contents; a module (one kept in a list, outside the tree,
-        whose tensors a trace bakes in) by its tensors; lists, tuples and dicts of these as
-        tuples; `_UNWATCHED` if the container holds anything else (a function, an object),
-        which is not part of the signature."""
+        set of plain values by its contents; lists, tuples and dicts of these as tuples;
+        `_UNWATCHED` if the container holds anything else (a module, a function, an object),
+        which is not part of the signature (a module's tensors, read by the forward, are
+        refused by the trace: `capture/trace.py`)."""
         if is_plain(value):
             return value
         if isinstance(value, torch.Tensor):
@@ -425,12 +414,11 @@ class _Containers:
             if type(value) is set:  # compared at every call: changed in place, it is the same
                 self.sets.append(value)
             return ("set", frozenset(value))
-        if _is_array(value):  # compared by its bytes at every call: a trace bakes them in
+        if _is_array(value):  # a trace bakes its values in
+            if value.nbytes > ARRAY_BYTES:  # by identity: its bytes cost a copy at every call
+                return ("array", id(value), value.dtype.str, value.shape)
             self.arrays.append(value)
             return ("array", id(value), value.dtype.str, value.shape, _contents(value))
-        if isinstance(value, torch.nn.Module):  # kept outside the tree (an EMA copy, a teacher)
-            return ("module", id(value), tuple(
-                map(self.frozen, itertools.chain(value.parameters(), value.buffers()))))
         return _UNWATCHED
 
 
@@ -441,6 +429,11 @@ def _is_plain_object(value: object) -> bool:
     return (bool(getattr(value, "__dict__", None)) and not callable(value)
             and not isinstance(value, (dict, list, tuple, set, torch.nn.Module, torch.Tensor,
                                        type)))
+
+
+# NumPy arrays up to this size are compared by their bytes at every call (a 64 MiB one cost
+# 58 ms a call); larger ones by identity, a change in place unseen.
+ARRAY_BYTES = 1 << 20
 
 
 def _is_array(value: object) -> bool:

@@ -360,9 +360,10 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
     still reached the graph as a constant was read around that swap, from a module object the
     code holds outside the traced tree (an instance `forward` closing over a submodule, a
     global naming the model, while a copy of the tree is traced). Baked in, its value would
-    never change and it would get no gradient; so would any tensor that requires grad held
-    outside the tree (a teacher module kept in a list). Called once the module holds its own tensors
-    again (`unchanged`: with tied weights the swap may leave trace tensors in it until then)."""
+    never change and it would get no gradient; so would the weights of a module kept in a
+    list outside the tree (an EMA teacher), and any tensor that requires grad held outside
+    it. Called once the module holds its own tensors again (`unchanged`: with tied weights
+    the swap may leave trace tensors in it until then)."""
     state = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
              if t.numel()}
     if next(_constants_of(gm, state), None) is not None:
@@ -371,6 +372,13 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
             "the module's tree (a closure or a global naming it), which a trace would bake "
             "in as a constant without its gradient"
         )
+    held = {t.untyped_storage().data_ptr() for kept in _modules_kept_outside(module)
+            for t in (*kept.parameters(), *kept.buffers()) if t.numel()}
+    if next(_constants_of(gm, held), None) is not None:
+        raise CaptureError(
+            "the forward runs a module kept outside its tree (in a list, tuple or dict "
+            "attribute: an EMA teacher), whose weights a graph would hold as constants while "
+            "they change; register it as a submodule, or call it outside the model")
     for node in gm.graph.nodes:
         value = operator.attrgetter(node.target)(gm) if node.op == "get_attr" else None
         if isinstance(value, torch.Tensor) and value.requires_grad:
@@ -379,6 +387,18 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
                 "parameters (one of a module kept outside its tree, in a list or a plain "
                 "attribute): eager gives it a gradient, a graph would hold it as a constant; "
                 "register its module as a submodule, or `requires_grad_(False)` it")
+
+
+def _modules_kept_outside(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The modules the tree's modules hold in their list, tuple and dict attributes that are
+    not in the tree."""
+    tree = {id(m) for m in module.modules()}
+    for owner in module.modules():
+        for value in vars(owner).values():
+            if type(value) in (list, tuple, dict):
+                items = value.values() if type(value) is dict else value
+                yield from (item for item in items
+                            if isinstance(item, torch.nn.Module) and id(item) not in tree)
 
 
 def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
