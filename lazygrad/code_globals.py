@@ -154,6 +154,12 @@ def _is_numpy_scalar(value: object) -> bool:
         value, numpy.object_)
 
 
+def is_array(value: object) -> bool:
+    """A NumPy array (a trace bakes its values in, and it has no version counter)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
 def _read_by(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
     return ((namespace, name, label) for namespace, name, label in names_read(module)
             if _watched(namespace.get(name, _MISSING)))

@@ -17,9 +17,9 @@ items: one replaced, or a tensor among them changed in place, after a build serv
 values, silently wrong, before. So are the functions it holds (`self.act = torch.tanh`, by
 identity), NumPy scalars and arrays (an array of up to `ARRAY_BYTES` by its bytes, compared at
 every call: it has no version counter) and sets of plain values: each changed after a build
-served the old graph, silently wrong, before. And so are the plain module-level
-values the user's code reads (`code_globals.py`), compared by identity at every call, and the
-global module hooks registered (`global_hooks.py`).
+served the old graph, silently wrong, before. And so are the plain module-level values the
+user's code reads (`code_globals.py`), compared by identity at every call, and the global
+module hooks registered (`global_hooks.py`).
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,6 +53,7 @@ from lazygrad.attach import LazyForward
 from lazygrad.code_globals import (
     GlobalsRead,
     functions_held,
+    is_array,
     is_code,
     is_plain,
     version_of,
@@ -345,7 +345,7 @@ def _modes_of(attributes: dict, containers: _Containers) -> tuple:
     modes.extend((name, ("tensor", id(value), version_of(value)))
                  for name, value in attributes.items() if isinstance(value, torch.Tensor))
     for name, value in attributes.items():
-        if _is_array(value):
+        if is_array(value):
             modes.append((name, containers.frozen(value)))
         elif type(value) in _CONTAINERS and name not in _MODULE_INTERNALS \
                 and not is_plain(value):
@@ -414,7 +414,7 @@ class _Containers:
             if type(value) is set:  # compared at every call: changed in place, it is the same
                 self.sets.append(value)
             return ("set", frozenset(value))
-        if _is_array(value):  # a trace bakes its values in
+        if is_array(value):  # a trace bakes its values in
             if value.nbytes > ARRAY_BYTES:  # by identity: its bytes cost a copy at every call
                 return ("array", id(value), value.dtype.str, value.shape)
             self.arrays.append(value)
@@ -434,11 +434,6 @@ def _is_plain_object(value: object) -> bool:
 # NumPy arrays up to this size are compared by their bytes at every call (a 64 MiB one cost
 # 58 ms a call); larger ones by identity, a change in place unseen.
 ARRAY_BYTES = 1 << 20
-
-
-def _is_array(value: object) -> bool:
-    numpy = sys.modules.get("numpy")  # not imported: no value is one
-    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 def _contents(array: Any) -> bytes:
