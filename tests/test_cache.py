@@ -856,3 +856,44 @@ def test_a_forward_closing_over_the_real_module_is_never_traced_with_its_weights
             sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
     parts = lazygrad.stats(lazy).parts
     assert parts["inner"].fallbacks == 1 and parts["head"].hits > 0
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.step = 0
+
+
+class Run:
+    """A trainer's state object handed to the model: its settings, and its progress a level
+    down, which the loop bumps at every step."""
+
+    def __init__(self) -> None:
+        self.scale = 0.5
+        self.progress = Progress()
+        self.loss = torch.zeros(())
+
+
+class HoldsItsRun(torch.nn.Module):
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.run = run
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * self.run.scale
+
+
+def test_a_held_objects_progress_changing_at_every_step_is_not_a_new_signature():
+    """The objects and tensors a held settings object holds are not watched: a trainer's
+    progress a level down (and a loss it keeps as a tensor), changed at every step, made every
+    step a new signature, built and never served (15 builds, 0 hits, in a probe)."""
+    torch.manual_seed(0)
+    eager = HoldsItsRun(Run())
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    for step in range(5):
+        for model in (lazy, eager):
+            model.run.progress.step = step
+            model.run.loss.fill_(float(step))
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (1, 4, 0)
