@@ -399,3 +399,32 @@ def test_informer_sparse_attention_trains_like_eager_its_order_dependent_top_k_r
             _assert_grads_match(lazy, eager, f"step {step}")
     reasons = lazygrad.stats(lazy).reasons
     assert any("depends on the order of a `topk(sorted=False)`'s picks" in r for r in reasons)
+
+
+def test_ibert_keeps_its_quantization_ranges_as_eager_updates_them():
+    """I-BERT's `QuantAct` assigns its range buffers anew at every call (`self.x_min = ...`),
+    even with `quant_mode` off: the trace's restore of the module's tensors dropped the
+    assignment, and every ORT step kept the ranges of the first call, silently."""
+    config = transformers.IBertConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    eager = transformers.IBertForMaskedLM(config).train()
+    with torch.no_grad():  # a first call: the ranges leave their all-zero start
+        eager(input_ids=torch.randint(3, 300, (2, 16)))
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step in range(4):
+        ids = torch.randint(3, 300, (2, 16))
+        losses = []
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+            losses.append(model(input_ids=ids, labels=ids).loss)
+            losses[-1].backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        _assert_grads_match(lazy, eager, f"step {step}")
+        for (name, got), wanted in zip(lazy.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, s=step: f"step {s} buffer {n}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 0) and stats.hits == 3
