@@ -131,17 +131,17 @@ class ModuleState:
             dicts = [_without(d, self._written.get(id(m))) for d, m in zip(dicts, self._modules)]
         attributes = self._attributes
         global_values = self._globals.values()
-        if (attributes is None or list(map(len, attributes.hooks)) != attributes.hook_lengths
+        globals_same = attributes is not None and all(
+            map(operator.is_, global_values, attributes.global_values))
+        if (not globals_same or list(map(len, attributes.hooks)) != attributes.hook_lengths
                 or list(map(version_of, attributes.tensors)) != attributes.versions
                 or list(map(_contents, attributes.arrays)) != attributes.array_contents
                 or list(map(frozenset, attributes.sets)) != attributes.set_contents
-                or not all(map(operator.is_, global_values, attributes.global_values))
                 or not _unchanged(attributes, dicts + attributes.extras)
                 or list(map(len, attributes.lists)) != attributes.list_lengths
                 or not all(map(operator.is_, _chain(attributes.lists), attributes.list_items))):
             held = self._functions_held()
-            if held != self._held or (attributes is not None and not all(
-                    map(operator.is_, global_values, attributes.global_values))):
+            if held != self._held or (attributes is not None and not globals_same):
                 # a hook or function added since, or a global replaced (by another function):
                 # the values they read
                 self._globals, self._held = GlobalsRead(self.module), held

@@ -379,14 +379,12 @@ def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Modul
             "the forward runs a module kept outside its tree (in a list, tuple or dict "
             "attribute: an EMA teacher), whose weights a graph would hold as constants while "
             "they change; register it as a submodule, or call it outside the model")
-    for node in gm.graph.nodes:
-        value = operator.attrgetter(node.target)(gm) if node.op == "get_attr" else None
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise CaptureError(
-                "the forward reads a tensor that requires grad and is none of the module's "
-                "parameters (one of a module kept outside its tree, in a list or a plain "
-                "attribute): eager gives it a gradient, a graph would hold it as a constant; "
-                "register its module as a submodule, or `requires_grad_(False)` it")
+    if any(constant.requires_grad for constant in _constants(gm)):
+        raise CaptureError(
+            "the forward reads a tensor that requires grad and is none of the module's "
+            "parameters (one of a module kept outside its tree, in a list or a plain "
+            "attribute): eager gives it a gradient, a graph would hold it as a constant; "
+            "register its module as a submodule, or `requires_grad_(False)` it")
 
 
 def _modules_kept_outside(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -418,14 +416,21 @@ def refuse_reads(gm: fx.GraphModule, written: dict[str, torch.Tensor]) -> None:
 
 def _constants_of(gm: fx.GraphModule, storages: Container[int]) -> Iterator[int]:
     """The storages (data pointers) among `storages` of the real tensors `gm` holds as
-    constants: values a trace read from outside its inputs and baked in."""
+    constants."""
+    return (storage for constant in _constants(gm)
+            if (storage := constant.untyped_storage().data_ptr()) in storages)
+
+
+def _constants(gm: fx.GraphModule) -> Iterator[torch.Tensor]:
+    """The real tensors `gm` holds as constants: values a trace read from outside its inputs
+    and baked in."""
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
         value = operator.attrgetter(node.target)(gm)
         if isinstance(value, torch.Tensor) and value.numel() and not isinstance(
-                value, private.FakeTensor) and value.untyped_storage().data_ptr() in storages:
-            yield value.untyped_storage().data_ptr()
+                value, private.FakeTensor):
+            yield value
 
 
 def _untranslatable(gm: fx.GraphModule) -> list[tuple[str, str]]:
@@ -584,13 +589,12 @@ def _replaced_buffers_written(swapped: list[tuple[str, dict, str, torch.Tensor]]
             raise CaptureError(f"the forward replaces its parameter {name!r}: a graph cannot")
         if not isinstance(new, torch.Tensor) or new.requires_grad or (
                 new.shape, new.dtype, new.device) != (tensor.shape, tensor.dtype, tensor.device):
+            given = (f"a tensor of {new.dtype}{list(new.shape)}"
+                     f"{' that requires grad' if new.requires_grad else ''}"
+                     if isinstance(new, torch.Tensor) else type(new).__name__)
             raise CaptureError(
-                f"the forward replaces its buffer {name!r} with "
-                + (f"{type(new).__name__}" if not isinstance(new, torch.Tensor) else
-                   f"a tensor of {new.dtype}{list(new.shape)}"
-                   + (" that requires grad" if new.requires_grad else ""))
-                + f" where it held {tensor.dtype}{list(tensor.shape)}: a graph updates a "
-                "buffer in place")
+                f"the forward replaces its buffer {name!r} with {given} where it held "
+                f"{tensor.dtype}{list(tensor.shape)}: a graph updates a buffer in place")
         with torch.no_grad():
             tensor.copy_(new)
         table[key] = tensor
