@@ -103,12 +103,12 @@ def all_masks(count: int) -> list[tuple[bool, ...]]:
     return [m for m in itertools.product([False, True], repeat=count) if any(m)]
 
 
-def counted_rewrites(monkeypatch, stage) -> list[int]:
-    """What each call of `stage.rewrite` (a capture stage that rewrites a graph and says how
-    many times) rewrote, in order, from now on in this test."""
+def counted_rewrites(monkeypatch, stage, name: str = "rewrite") -> list[int]:
+    """What each call of `stage.rewrite` (or of the function `name`: a capture stage that
+    rewrites a graph and says how many times) rewrote, in order, from now on in this test."""
     made: list[int] = []
-    rewrite = stage.rewrite
-    monkeypatch.setattr(stage, "rewrite", lambda *args: made.append(rewrite(*args)) or made[-1])
+    rewrite = getattr(stage, name)
+    monkeypatch.setattr(stage, name, lambda *args: made.append(rewrite(*args)) or made[-1])
     return made
 
 

@@ -29,6 +29,12 @@ def fired(monkeypatch) -> list[int]:
     return counted_rewrites(monkeypatch, ignored_rows)
 
 
+@pytest.fixture
+def fired_forward(monkeypatch) -> list[int]:
+    """What each call of the forward's rewrite rewrote, in order (the builds' forward graphs)."""
+    return counted_rewrites(monkeypatch, ignored_rows, "rewrite_forward")
+
+
 def _head_backward(logits, target, grad, total, weight, hidden):
     """Cross-entropy's gradient through a head `hidden @ weight.t() + bias`: the gradients of
     its input, weight and bias, as the partition leaves them."""
@@ -125,6 +131,52 @@ def test_a_loss_that_keeps_most_rows_is_left_as_it_is():
     assert fired == 0 and str(gm.graph) == str(dense.graph)
 
 
+def _label_log_probabilities(logits, target):
+    """Cross-entropy's forward as the capture decomposes it (pick, negate, zero the ignored)."""
+    return aten.nll_loss_forward.default(aten._log_softmax.default(logits, 1, False), target,
+                                         None, 1, -100)[0]
+
+
+def _decomposed_forward(fn, *inputs: torch.Tensor) -> torch.fx.GraphModule:
+    gm = _decomposed(fn, *inputs)
+    gm.graph.eliminate_dead_code()  # as the partition leaves a forward
+    return gm
+
+
+def test_the_forward_picks_the_kept_rows_log_probabilities_alone():
+    """The label's log-probability of every kept row, the ignored rows' zeroed, computed from
+    the kept rows' log-softmax alone: the loss bit for bit, over other sizes and other shares
+    (every row kept, none), and eager's where an ignored row's logits are not finite."""
+    logits, target = _inputs(8, 11, 5, 0)[:2]
+    gm = _decomposed_forward(_label_log_probabilities, logits, target)
+    assert ignored_rows.rewrite_forward(gm, lambda node: {"target_1": target}.get(node.name)) == 1
+    log_softmax_rows = [n.meta["val"].shape[0] for n in gm.graph.nodes
+                        if n.target is aten._log_softmax.default]
+    assert len(log_softmax_rows) == 1 and not isinstance(log_softmax_rows[0], int)  # the count
+    for seed in range(4):
+        rows = 2 * (3 + seed)
+        logits, target = _inputs(rows, 9 + seed, 4, seed, ignored=(0.75, 0.0, 1.0, 0.5)[seed])[:2]
+        if seed == 3:
+            logits[(target == -100).nonzero()[0]] = float("inf")
+        expected = _label_log_probabilities(logits, target)
+        assert expected.isfinite() or seed == 2  # every row ignored: 0 / 0, eager's NaN
+        torch.testing.assert_close(gm(logits, target), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_forward_whose_first_call_kept_most_rows_or_whose_pick_is_read_elsewhere_stays():
+    logits, target = _inputs(8, 11, 5, 0, ignored=0.25)[:2]
+    gm = _decomposed_forward(_label_log_probabilities, logits, target)
+    assert ignored_rows.rewrite_forward(gm, lambda node: {"target_1": target}.get(node.name)) == 0
+
+    def also_read(logits, target):  # an ignored row's pick reaches the result
+        picked = aten._log_softmax.default(logits, 1, False).gather(1, target.clamp(min=0)[:, None])
+        return picked.sum()
+
+    logits, target = _inputs(8, 11, 5, 0)[:2]
+    gm = _decomposed_forward(also_read, logits, target)
+    assert ignored_rows.rewrite_forward(gm, lambda node: {"target_1": target}.get(node.name)) == 0
+
+
 class MaskedLanguageModel(torch.nn.Module):
     def __init__(self, vocab: int = 50, dim: int = 16) -> None:
         super().__init__()
@@ -145,7 +197,8 @@ def _batch(batch: int, seq: int, generator: torch.Generator):
 
 
 @pytest.mark.parametrize("trains_logits", [False, True])
-def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits, fired):
+def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits, fired,
+                                                                        fired_forward):
     """Only the loss trained: its ignored rows are skipped; the logits trained too: their
     gradient is dense, nothing is skipped. Batches of other sizes and other masked counts
     (one with every row masked, which the graph built on a few serves)."""
@@ -171,7 +224,10 @@ def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_
             optimizer.zero_grad()
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 4
-    assert any(fired) != trains_logits
+    # Both builds, the batch a symbol in the second (its labels' view sized from it): the
+    # backward's rows skipped where the logits are not trained, the loss's forward always.
+    assert fired == [0 if trains_logits else 1] * 2
+    assert fired_forward == [1, 1]
 
 
 def _steps_up_to_an_overflow(eager: torch.nn.Module, steps: int, seed: int,
@@ -206,12 +262,13 @@ def _steps_up_to_an_overflow(eager: torch.nn.Module, steps: int, seed: int,
     return lazy, eager_losses
 
 
-def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort():
+def test_an_overflow_in_an_ignored_row_gives_eagers_nan_gradients_through_ort(fired_forward):
     torch.manual_seed(0)
     lazy, losses = _steps_up_to_an_overflow(MaskedLanguageModel(), 3, 2, lambda out: out[0])
     assert not any(loss.isnan() for loss in losses)
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.hits == 2
+    assert fired_forward == [1]  # the forward's log-softmax skipped the overflowed row
 
 
 def test_autocast_gradients_of_the_kept_rows_are_as_close_to_float64_as_eagers(fired):

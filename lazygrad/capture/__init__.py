@@ -241,6 +241,8 @@ def capture(
         for gm in (tidied.forward, tidied.backward):
             if gm is not None:
                 peephole.rewrite(gm)
+        ignored_rows.rewrite_forward(
+            tidied.forward, ignored_rows.first_call_inputs(tidied, primals, "forward"))
         if tidied.backward is not None:
             ignored_rows.rewrite(tidied.backward, ignored_rows.first_call_inputs(tidied, primals))
         for gm in (tidied.forward, tidied.backward):

@@ -137,35 +137,40 @@ def _row_wise(probabilities: fx.Node) -> bool:
 
 
 def value_in_first_call(node: fx.Node, inputs: Callable[[fx.Node], torch.Tensor | None]
-                        ) -> torch.Tensor | None:
+                        ) -> Any:
     """`node`'s value in the first call, where it is made from one of its graph's inputs (whose
-    value `inputs` gives, or None) by ops of one tensor each; else None."""
-    chain = []
-    while node.op != "placeholder":
-        arguments = [a for a in pytree.tree_leaves((node.args, node.kwargs))
-                     if isinstance(a, fx.Node)]
-        if node.op != "call_function" or len(arguments) != 1 or arguments[0] not in node.args:
-            return None
-        chain.append(node)
-        node = arguments[0]
-    value = inputs(node)
-    for step in reversed(chain):
-        if value is None:
-            return None
-        value = step.target(*[value if isinstance(a, fx.Node) else a for a in step.args],
-                            **step.kwargs)
-    return value
+    value `inputs` gives, or None) by ops of one tensor each, and of sizes (a dynamic graph's
+    `view(labels, [s0 * 12])`, its sizes read from that call's tensors); else None."""
+    if node.op == "placeholder":
+        return inputs(node)
+    arguments = [a for a in pytree.tree_leaves((node.args, node.kwargs))
+                 if isinstance(a, fx.Node)]
+    if node.op != "call_function" or sum(not _is_size(a) for a in arguments) > 1:
+        return None
+    values = {a: value_in_first_call(a, inputs) for a in arguments}
+    if any(value is None for value in values.values()):
+        return None
+    args, kwargs = pytree.tree_map(lambda a: values[a] if isinstance(a, fx.Node) else a,
+                                   (node.args, node.kwargs))
+    return node.target(*args, **kwargs)
 
 
-def first_call_inputs(tidied: Tidy, primals: Sequence[torch.Tensor]
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(value_of(node), (int, torch.SymInt))
+
+
+def first_call_inputs(tidied: Tidy, primals: Sequence[torch.Tensor], graph: str = "backward"
                       ) -> Callable[[fx.Node], torch.Tensor | None]:
-    """The first call's value of a backward input: an input of the call, or a forward result
-    made from one (a causal LM's labels shifted in its forward: `F.pad(labels)[..., 1:]`)."""
+    """The first call's value of an input of `tidied`'s `graph` ("forward" or "backward"): an
+    input of the call, or for the backward a forward result made from one (a causal LM's labels
+    shifted in its forward: `F.pad(labels)[..., 1:]`)."""
     def primal(feed: Feed) -> torch.Tensor | None:
         value = primals[feed.index] if feed.kind == "primal" else None
         return None if isinstance(value, private.FakeTensor) else value
 
     forward_feeds = dict(zip(placeholders(tidied.forward), tidied.forward_feeds, strict=True))
+    if graph == "forward":
+        return lambda node: primal(forward_feeds[node])
     results = output_node(tidied.forward).args[0]
     backward_feeds = dict(zip(placeholders(tidied.backward), tidied.backward_feeds, strict=True))
 
@@ -314,3 +319,101 @@ def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
             made = make(reader, aten.view.default, total, [*ones, make.size(reader, logits, 1)])
         replacements.append((reader, made))
     return replacements
+
+
+# The ops between a forward's pick of the label's log-probability and the `where` that zeroes
+# it on the ignored rows, as cross-entropy decomposes (`nll_loss`: squeeze, negate, where).
+_ROW_WISE_BETWEEN = {aten.squeeze.dim, aten.neg.default}
+
+
+def rewrite_forward(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor | None]
+                    ) -> int:
+    """The forward's side, in place: the label's log-probability computed for the kept rows
+    alone, where only they are read (`gather(_log_softmax(x, 1), 1, i)` zeroed off the kept rows
+    by a `where`) and the first call kept few; how many. The log-softmax over every row was a
+    transient as large as the logits at the forward's peak (62 MiB on workload B of
+    `benchmarks/memory.py`, whose loss ignores 85% of the rows); the kept rows' is that share of
+    it. A row's log-softmax is computed from that row alone, so a kept row's value is the one
+    the full op gives; an ignored row's, which the `where` drops, is zero instead (eager's
+    `where` drops it whatever it is, a NaN of an overflowed row included)."""
+    fired = 0
+    for node in list(gm.graph.nodes):
+        if node.graph is gm.graph and node.target is aten.gather.default:
+            fired += _pick_kept_rows_forward(gm.graph, node, inputs)
+    if fired:
+        rebuilt(gm)
+    return fired
+
+
+def _same_op(a: Any, b: Any) -> bool:
+    """The same node, or one computing the same op of the same arguments (`ne(t, -100)` made
+    once for the pick's index and again for the `where`)."""
+    return a is b or (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                      and a.op == b.op == "call_function" and a.target == b.target
+                      and a.args == b.args and a.kwargs == b.kwargs)
+
+
+def _forward_match(gather: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(logits, index, kept) of `gather(_log_softmax(x, 1), 1, unsqueeze(where(kept, t, 0),
+    1))` whose only reader leads, through row-wise ops, to `where(kept, ., 0)`."""
+    if gather.kwargs or len(gather.args) != 3:
+        return None
+    log_softmax, dim, index = gather.args
+    if not (isinstance(log_softmax, fx.Node) and log_softmax.target is aten._log_softmax.default
+            and len(log_softmax.users) == 1 and log_softmax.args[1:] in ((1, False), (-1, False))
+            and dim in (1, -1) and isinstance(index, fx.Node)):
+        return None
+    logits = log_softmax.args[0]
+    logits_val, index_val = value_of(logits), value_of(index)
+    if logits_val is None or index_val is None or logits_val.dim() != 2 \
+            or index_val.dim() != 2 or not known(index_val.shape[1] == 1) \
+            or not known(index_val.shape[0] == logits_val.shape[0]) \
+            or not known(logits_val.shape[1] >= CLASSES_AT_LEAST):
+        return None
+    labels = index.args[0] if index.target is aten.unsqueeze.default else None
+    kept = _kept_rows(labels) if isinstance(labels, fx.Node) else None
+    if kept is None or value_of(kept).dim() != 1:
+        return None
+    read = gather
+    while len(read.users) == 1:
+        (reader,) = read.users
+        if reader.target is aten.where.self:
+            return (logits, index, kept) if reader.args[1] is read \
+                and _same_op(_kept_rows(reader), kept) else None
+        if reader.target not in _ROW_WISE_BETWEEN or reader.args[0] is not read:
+            return None
+        read = reader
+    return None
+
+
+def _pick_kept_rows_forward(graph: fx.Graph, gather: fx.Node,
+                            inputs: Callable[[fx.Node], torch.Tensor | None]) -> int:
+    """1 if the forward rewrite was made, else 0 and the graph as it was."""
+    matched = _forward_match(gather)
+    if matched is None:
+        return 0
+    logits, index, kept = matched
+    share = _kept_share(kept, inputs)
+    if share is None or share > KEPT_AT_MOST:
+        return 0
+    make = Maker(graph, gather)
+    if not make.counts_sizes:
+        return 0
+    log_softmax = gather.args[0]
+    try:
+        rows = make.nonzero(gather, kept)
+        picked_log_softmax = make(gather, aten._log_softmax.default,
+                                  make(gather, aten.index_select.default, logits, 0, rows),
+                                  *log_softmax.args[1:])
+        picked = make(gather, aten.gather.default, picked_log_softmax, 1,
+                      make(gather, aten.index_select.default, index, 0, rows))
+        zeros = make(gather, aten.new_zeros.default, picked,
+                     [make.size(gather, logits, 0), 1])
+        made = make(gather, aten.index_put.default, zeros, [rows], picked)
+    except Exception:
+        make.undo()
+        return 0
+    gather.replace_all_uses_with(made)
+    graph.erase_node(gather)
+    graph.erase_node(log_softmax)
+    return 1
