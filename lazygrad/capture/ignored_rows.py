@@ -1,4 +1,5 @@
-"""Stage 3c: a loss's ignored rows left out of its backward's products.
+"""Stage 3c: a loss's ignored rows left out of its backward's products and its forward's
+log-softmax (`rewrite_forward`, at the end).
 
 Cross-entropy with an `ignore_index` (masked-language-model labels, -100 wherever a token is
 not masked, 85% of a BERT batch; a causal LM's padding) gives the ignored rows of its logits'
