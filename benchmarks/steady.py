@@ -8,7 +8,7 @@ constant folded, whatever its size), with ORT's threads never spinning (session.
 within a run by default), with selections of zeros left ORT's Where (capture/zero_where.py),
 with the backward's `exp(log_softmax)` left two passes (peephole.softmax_for_exp), with the
 outputs an Identity copies left copies (capture/identity_outputs.py), with a loss's ignored rows
-computed in its backward (capture/ignored_rows.py), with ORT's CPU memory
+computed in its forward and backward (capture/ignored_rows.py), with ORT's CPU memory
 arena (session.py), with layer-wise recomputation (`recompute_layers`, capture/layers.py:
 its cost) and with the backward in two segments at most (the default before 2026-12-07: its
 memory against its time), so each one's effect is measured in the same rounds as the rest,
@@ -55,10 +55,10 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
     the cap on ORT's constant folding; "spinning within runs": ORT's threads never spin; "zero
     where": no selection of zeros made a product, for the sessions made in the block; "softmax":
     the peephole rule `softmax_for_exp`; "identity outputs": an output an Identity copies stays
-    a copy; "ignored rows": a loss's ignored rows computed in its backward)."""
+    a copy; "ignored rows": a loss's ignored rows computed in its forward and backward)."""
     rules, cap, spinning = peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING
     smallest, sourced = zero_where.SMALLEST, identity_outputs.made_by_their_source
-    skipping = ignored_rows.rewrite
+    skipping = ignored_rows.rewrite, ignored_rows.rewrite_forward
     if "peephole" in parts:
         peephole.RULES = []
     if "softmax" in parts:
@@ -72,13 +72,13 @@ def without(parts: tuple[str, ...]) -> Iterator[None]:
     if "zero where" in parts:
         zero_where.SMALLEST = 1 << 62
     if "ignored rows" in parts:
-        ignored_rows.rewrite = lambda gm, inputs: 0
+        ignored_rows.rewrite = ignored_rows.rewrite_forward = lambda gm, inputs: 0
     try:
         yield
     finally:
         peephole.RULES, session.FOLDED_AT_MOST, session.SPINNING = rules, cap, spinning
         zero_where.SMALLEST, identity_outputs.made_by_their_source = smallest, sourced
-        ignored_rows.rewrite = skipping
+        ignored_rows.rewrite, ignored_rows.rewrite_forward = skipping
 
 
 def cpu_timed(step: Callable[[int], None], into: list[float]) -> Callable[[int], None]:
