@@ -533,3 +533,39 @@ def test_the_builder_thread_ends_when_idle_and_a_later_build_starts_another():
         assert_close(outputs[1][0], outputs[0][0], f"width {width}: output")
         assert_grads_equal(lazy, eager, f"width {width}")
     assert lazygrad.stats(lazy).builds >= 2 and lazygrad.stats(lazy).fallbacks == 0
+
+
+def test_the_users_prints_and_warnings_beside_a_background_export_all_arrive(monkeypatch,
+                                                                             capsys):
+    """The export hid its own warnings by swapping the process's filters, and its prints by
+    swapping `sys.stdout`: the training loop's prints and warnings on the other thread were
+    lost while it ran. The export is held here while the loop prints and warns, and warns
+    itself: the loop's arrive, the export's are not shown."""
+    from lazygrad.capture import private, to_onnx
+
+    inside, go_on = threading.Event(), threading.Event()
+    export = private.onnx_core._exported_program_to_onnx_program
+
+    def held(*args, **kwargs):
+        inside.set()
+        warnings.warn("the exporter's own warning")
+        assert go_on.wait(60), "the test never let the export go on"
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(to_onnx.private.onnx_core, "_exported_program_to_onnx_program", held)
+    lazy, eager = _pair()
+    x = torch.randn(6, 16)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        _step(lazy, eager, x, lambda o: o[0].sum(), "step 0")
+        assert inside.wait(60), "no export started"
+        for line in range(20):
+            print(f"the loop's line {line}")
+            warnings.warn(f"the loop's warning {line}")
+        go_on.set()
+        lazygrad.wait_for_builds(lazy)
+    messages = [str(w.message) for w in shown]
+    assert messages == [f"the loop's warning {line}" for line in range(20)], messages
+    printed = capsys.readouterr().out
+    assert all(f"the loop's line {line}\n" in printed for line in range(20)), printed
+    assert lazygrad.stats(lazy).builds == 1

@@ -9,7 +9,6 @@ named dynamic dimensions. Inputs are named after the graph's placeholders.
 from __future__ import annotations
 
 import contextlib
-import io
 
 import onnx
 import torch
@@ -31,8 +30,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     gm, constants = _lift_constants(gm)
     inputs = placeholders(gm)
     wide = in_float64(p.meta.get("val") for p in inputs if p.name not in constants)
-    with quiet.ignoring(), contextlib.redirect_stdout(io.StringIO()), \
-            private.fx_config.patch(backed_size_oblivious=True), \
+    with quiet.ignoring(), private.fx_config.patch(backed_size_oblivious=True), \
             private.float64_numbers() if wide else contextlib.nullcontext():
         # Before the signature names the outputs: an output of float16 computed in float32
         # (a sum) gets its cast back here, and the signature must name the cast, not the sum.
