@@ -44,8 +44,10 @@ class GlobalsRead:
 
     def __init__(self, module: torch.nn.Module) -> None:
         found: dict[tuple[int, str], tuple[Mapping, str, str]] = {}
-        for namespace, name, label in _read_by(module):
+        named: set[str] = set()
+        for namespace, name, label in _read_by(module, named):
             found.setdefault((id(namespace), name), (namespace, name, label))
+        self.attribute_names = frozenset(named | _named_by_classes(module))
         # In label order: the same in every process (the disk index hashes them in this order).
         watched = sorted(found.values(), key=lambda entry: entry[2])
         self.namespaces = [namespace for namespace, _, _ in watched]
@@ -160,15 +162,17 @@ def is_array(value: object) -> bool:
     return numpy is not None and isinstance(value, numpy.ndarray)
 
 
-def _read_by(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
-    return ((namespace, name, label) for namespace, name, label in names_read(module)
+def _read_by(module: torch.nn.Module, named: set[str]) -> Iterator[tuple[Mapping, str, str]]:
+    return ((namespace, name, label) for namespace, name, label in names_read(module, named)
             if _watched(namespace.get(name, _MISSING)))
 
 
-def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
+def names_read(module: torch.nn.Module, named: set[str] | None = None
+               ) -> Iterator[tuple[Mapping, str, str]]:
     """(namespace, name, label) of every value the user's code of the module tree reads: the
     class attributes of its classes (dunder names aside), the globals its code loads, and the
-    attributes it names of the user's modules it loads."""
+    attributes it names of the user's modules it loads. `named` (if given) gets every name that
+    code names (`_names_in`)."""
     classes = {type(m) for m in module.modules()}
     for user_class in {base for klass in classes for base in _user_bases(klass)}:
         namespace = user_class.__dict__
@@ -195,6 +199,8 @@ def names_read(module: torch.nn.Module) -> Iterator[tuple[Mapping, str, str]]:
         for code in _codes(function.__code__):
             names.update(code.co_names)
             global_names.update(_globals_loaded(code))
+        if named is not None:
+            named.update(_names_in(function))
         for name in global_names:
             value = namespace.get(name, _MISSING)
             yield namespace, name, f"{namespace.get('__name__')}.{name}"
@@ -264,6 +270,31 @@ def _methods(klass: type) -> Iterator[types.FunctionType]:
             function = getattr(value, "__func__", value)  # staticmethod, classmethod
             if isinstance(function, types.FunctionType):
                 yield function
+
+
+def _named_by_classes(module: torch.nn.Module) -> set[str]:
+    """Every name the code of the tree's module classes names, installed code included: their
+    methods and those of their bases, `torch.nn.Module`'s too (`training`)."""
+    classes = {base for m in module.modules() for base in type(m).__mro__ if base is not object}
+    named: set[str] = set()
+    for klass in classes:
+        for value in vars(klass).values():
+            if isinstance(value, property):
+                functions = (value.fget, value.fset)
+            else:
+                functions = (getattr(value, "__func__", value),)  # staticmethod, classmethod
+            for function in functions:
+                if isinstance(function, types.FunctionType):
+                    named.update(_names_in(function))
+    return named
+
+
+def _names_in(function: types.FunctionType) -> Iterator[str]:
+    """The names a function's code (and the code nested in it) reads or writes as attributes or
+    globals, and its strings (`getattr(self, "scale")`)."""
+    for code in _codes(function.__code__):
+        yield from code.co_names
+        yield from (constant for constant in code.co_consts if type(constant) is str)
 
 
 def _globals_loaded(code: types.CodeType) -> Iterator[str]:

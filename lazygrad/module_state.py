@@ -3,23 +3,25 @@
 A trace reads Python attributes of the modules (a flag, a size, a scale) as constants: they are
 part of what a graph was captured for, so every plain attribute (a bool, number, string, None,
 or a tuple of them) of every submodule is part of the call's signature, and changing one
-captures again. So are, per submodule, the ids of its forward and backward hooks (a hook added
-or removed after a build is traced into the next graph, not ignored), an instance `forward` put
-in its place, and the plain attributes of the plain objects it holds (a Hugging Face `config`,
-which its forward reads at every call: a logit soft-cap or a sliding window changed on the
-config served the old graph, silently wrong, before). So are its tensor attributes that are
-neither parameters nor buffers (a mask or a scale kept as a plain attribute), by identity and
-version counter: a trace bakes their values into the graph, and one replaced or changed in
-place after a build served the old values, silently wrong, before. So are its list and dict
-attributes that hold only such values (plain values, tensors, and lists, tuples and dicts of
-them: indices kept as `self.keep = [0, 2]`, anchors kept in a list, a dict of scales), by their
-items: one replaced, or a tensor among them changed in place, after a build served the old
-values, silently wrong, before. So are the functions it holds (`self.act = torch.tanh`, by
-identity), NumPy scalars and arrays (an array of up to `ARRAY_BYTES` by its bytes, compared at
-every call: it has no version counter) and sets of plain values: each changed after a build
-served the old graph, silently wrong, before. And so are the plain module-level values the
-user's code reads (`code_globals.py`), compared by identity at every call, and the global
-module hooks registered (`global_hooks.py`).
+captures again; every one whose name the model's code names (its classes' code, installed or
+not, and the user's functions it calls: `code_globals.GlobalsRead.attribute_names`), as what a
+training loop keeps on the model and the forward never reads changes at every step. So are, per
+submodule, the ids of its forward and backward hooks (a hook added or removed after a build is
+traced into the next graph, not ignored), an instance `forward` put in its place, and the plain
+attributes of the plain objects it holds (a Hugging Face `config`, which its forward reads at
+every call: a logit soft-cap or a sliding window changed on the config served the old graph,
+silently wrong, before). So are its tensor attributes that are neither parameters nor buffers (a
+mask or a scale kept as a plain attribute), by identity and version counter: a trace bakes their
+values into the graph, and one replaced or changed in place after a build served the old values,
+silently wrong, before. So are its list and dict attributes that hold only such values (plain
+values, tensors, and lists, tuples and dicts of them: indices kept as `self.keep = [0, 2]`,
+anchors kept in a list, a dict of scales), by their items: one replaced, or a tensor among them
+changed in place, after a build served the old values, silently wrong, before. So are the
+functions it holds (`self.act = torch.tanh`, by identity), NumPy scalars and arrays (an array of
+up to `ARRAY_BYTES` by its bytes, compared at every call: it has no version counter) and sets of
+plain values: each changed after a build served the old graph, silently wrong, before. And so
+are the plain module-level values the user's code reads (`code_globals.py`), compared by
+identity at every call, and the global module hooks registered (`global_hooks.py`).
 
 `named_parameters()` walks the module tree with generators and builds every name string; on a
 small model that walk costs more than ONNX Runtime's own run. The tree rarely changes, so it is
@@ -246,7 +248,10 @@ def plain_attributes(module: torch.nn.Module) -> tuple:
 def _read(dicts: list[dict], previous: _Attributes | None, globals_read: GlobalsRead,
           global_values: list[object], state_ids: frozenset[int]) -> _Attributes:
     containers = _Containers(state_ids)
-    modes = (*(_modes_of(d, containers) for d in dicts),
+    # An attribute whose name no code of the model names is not read by its forward (a step
+    # counter the loop keeps on the model); a global hook's code is not walked: all are kept.
+    named = None if any(global_hooks.registered()) else globals_read.attribute_names
+    modes = (*(_modes_of(d, containers, named) for d in dicts),
              globals_read.modes(global_values, lambda value: _global_mode(value, containers)),
              global_hooks.registered())
     if previous is not None and modes == previous.modes:
@@ -331,17 +336,23 @@ def _settings_of(value: object, containers: _Containers) -> tuple:
     return tuple(modes)
 
 
-def _modes_of(attributes: dict, containers: _Containers) -> tuple:
+def _modes_of(attributes: dict, containers: _Containers, named: frozenset[str] | None
+              ) -> tuple:
     """A submodule's part of the signature: its plain attributes; the functions it holds (an
     activation kept as `torch.tanh`, by identity); the ids of its hooks, per hook dict; its
     plain tensor attributes (by identity and version: a trace bakes their values in as
     constants); its list and dict attributes of such values, item by item (`containers`
     records what they hold); an instance `forward` (by identity); each plain object's
-    settings (`_settings_of`: a config's)."""
+    settings (`_settings_of`: a config's). Of the attributes, those `named` by the model's
+    code alone (None: all): one the training loop keeps on the model and changes at every step
+    (`model.global_step += 1`, a list of losses) made every step a new signature, run eagerly
+    and built, never served (`code_globals.GlobalsRead.attribute_names`)."""
+    hooks = [(name, tuple(hooks)) for name in _HOOKS if (hooks := attributes.get(name))]
+    forward = attributes.get("forward")
+    if named is not None:
+        attributes = {name: value for name, value in attributes.items() if name in named}
     modes = [item for item in attributes.items() if is_plain(item[1])]
-    for name in _HOOKS:
-        if hooks := attributes.get(name):
-            modes.append((name, tuple(hooks)))
+    modes.extend(hooks)
     modes.extend((name, ("tensor", id(value), version_of(value)))
                  for name, value in attributes.items() if isinstance(value, torch.Tensor))
     for name, value in attributes.items():
@@ -354,7 +365,6 @@ def _modes_of(attributes: dict, containers: _Containers) -> tuple:
                 modes.append((name, items))
     modes.extend(item for item in attributes.items()
                  if is_code(item[1]) and item[0] != "forward")  # compared by identity
-    forward = attributes.get("forward")
     if forward is not None and not isinstance(forward, LazyForward):  # lazygrad's own: a part's
         modes.append(("forward", id(forward)))
     for name, value in attributes.items():

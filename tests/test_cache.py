@@ -897,3 +897,37 @@ def test_a_held_objects_progress_changing_at_every_step_is_not_a_new_signature()
         sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (1, 4, 0)
+
+
+class ReadsAnAttributeByName(torch.nn.Module):
+    """Reads an attribute the script sets, by its name as a string (no `self.offset` in the
+    code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x) + getattr(self, "offset", 0.0)
+
+
+def test_what_the_loop_keeps_on_the_model_is_not_a_new_signature_what_the_forward_reads_is():
+    """A step counter, a list of losses, a dict of metrics and the last loss kept on the model
+    by the training loop, changed at every step: every step was a new signature, run eagerly
+    and built, never served (a helper's probe: 80 steps, 0 hits, 16 evictions). No code of the
+    model names them, so they are not part of the signature; an attribute the forward reads
+    by its name is, set from outside or not."""
+    torch.manual_seed(0)
+    eager = ReadsAnAttributeByName()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    lazy.global_step, lazy.losses, lazy.metrics = 0, [], {}
+    for step in range(6):
+        if step == 3:
+            for model in (lazy, eager):
+                model.offset = 0.5
+        loss = sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}").sum()
+        lazy.global_step += 1
+        lazy.losses.append(float(loss))
+        lazy.metrics["loss"] = lazy.last_loss = float(loss)
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (2, 4, 0)

@@ -548,7 +548,7 @@ def test_the_users_prints_and_warnings_beside_a_background_export_all_arrive(mon
 
     def held(*args, **kwargs):
         inside.set()
-        warnings.warn("the exporter's own warning")
+        warnings.warn("the exporter's own warning", stacklevel=2)
         assert go_on.wait(60), "the test never let the export go on"
         return export(*args, **kwargs)
 
@@ -561,7 +561,7 @@ def test_the_users_prints_and_warnings_beside_a_background_export_all_arrive(mon
         assert inside.wait(60), "no export started"
         for line in range(20):
             print(f"the loop's line {line}")
-            warnings.warn(f"the loop's warning {line}")
+            warnings.warn(f"the loop's warning {line}", stacklevel=2)
         go_on.set()
         lazygrad.wait_for_builds(lazy)
     messages = [str(w.message) for w in shown]
