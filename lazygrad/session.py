@@ -13,6 +13,7 @@ neither.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -162,7 +163,11 @@ class GraphSession:
                 disabled_optimizers=DISABLED_OPTIMIZERS,
             )
         except Exception as error:  # e.g. no kernel for an op at this dtype on this device
-            raise GraphRunError(f"ORT cannot load the graph on {self.device}: {error}") from error
+            missing = re.search(r"Could not find an implementation for (\w+)\(", str(error))
+            why = (f" (ONNX Runtime's {self.device.type.upper()} provider has no {missing[1]} "
+                   "kernel for this graph's dtypes)" if missing else "")
+            raise GraphRunError(
+                f"ORT cannot load the graph on {self.device}: {error}{why}") from error
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run on `inputs` (in graph input order, on this session's device); outputs in graph

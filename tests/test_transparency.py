@@ -460,6 +460,22 @@ def test_to_float64_exports_a_float64_graph_with_eager_float64_gradients():
     assert stats.exports == 2 and len({e.forward for e in stats.entries}) == 2
 
 
+def test_a_float64_erf_gelu_runs_in_parts_with_the_kernel_ort_lacks_named():
+    """ORT's CPU provider has no float64 Erf: the reason says so, not ORT's message alone."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4)).double()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with pytest.warns(lazygrad.GraphBreakWarning):
+        for step in range(4):  # the whole's build fails at step 0's; the parts', at step 1's
+            sum_step_like_eager(lazy, eager, (x,), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and stats.fallbacks == 0
+    assert "provider has no Erf kernel for this graph's dtypes" in stats.reasons[0]
+    assert stats.parts["0"].hits == 2 and stats.parts["2"].hits == 2
+
+
 def test_replacing_a_head_or_a_parameter_after_the_first_call_is_seen():
     torch.manual_seed(0)
     model = LazyMLP()
