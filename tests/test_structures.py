@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import all_masks, assert_close
+from conftest import all_masks, assert_close, sum_step_like_eager
 
 import lazygrad
 
@@ -284,6 +284,31 @@ def test_a_torchscript_submodule_trains_through_ort_like_eager(private_disk_cach
             assert_close(p.grad, q.grad, f"step {step} {name}")
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 2
+
+
+class HoldsCompiled(torch.nn.Module):
+    """A `torch.compile`d submodule, as a user compiles the part they know is slow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.compile(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh()),
+                                  backend="eager")
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_compiled_submodule_trains_through_ort_like_eager():
+    """The trace runs its code as eager does (dynamo's frame saves and restores the generators'
+    state, which the trace refused as a draw: the model ran in parts with that reason)."""
+    torch.manual_seed(0)
+    eager = HoldsCompiled()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step in range(4):
+        sum_step_like_eager(lazy, eager, (torch.randn(5, 6),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits == 3
 
 
 class LazyHeads(torch.nn.Module):

@@ -241,8 +241,11 @@ def trace(
             # they compute (`lowerings.COMPOSITE`). Never beside an eager run of the user's code
             # on another thread (`user_code.py`: code that runs as compiling may assume so).
             # Anomaly mode's warning about a backward that cannot be traced is not shown: the
-            # error is the reason lazygrad gives (`quiet.py`).
+            # error is the reason lazygrad gives (`quiet.py`). A `torch.compile`d submodule runs
+            # its own code (dynamo's frame, saving and restoring the generators' state around
+            # it, was refused as a draw).
             with user_code.traced(), quiet.ignoring("Error detected in"), \
+                    torch.compiler.set_stance("force_eager"), \
                     torch.enable_grad() if training else torch.no_grad(), mode, \
                     private.compiling(), private.generators_left_alone(), \
                     private.enable_python_dispatcher(), sdpa_kernel(SDPBackend.MATH), \
