@@ -10,7 +10,8 @@ of an argparse namespace, a config instance) that the user's code names are read
 (their contents frozen by `module_state`, as a module's own: changed in place after a build,
 they served the old graph, silently wrong): the names in the code of every module class in the
 tree (its methods and their nested functions), of the functions that code names, and the
-attributes it names of the user's modules it names (`helpers.TEMPERATURE`). So are the class
+attributes it names of the user's modules it names (`helpers.TEMPERATURE`; a function among
+them, `helpers.scaled`, is read as the functions it names are). So are the class
 attributes of the user's module classes (`Model.scale = 2.0` set by the script after a build
 served the old graph, 8.4 off in a probe's output). Installed code (torch, transformers, the
 standard library) is not read: its module-level values are the library's. Functions the code
@@ -211,6 +212,9 @@ def names_read(module: torch.nn.Module, named: set[str] | None = None
                 attributes = vars(value)
                 yield from ((attributes, attribute, f"{value.__name__}.{attribute}")
                             for attribute in names if attribute in attributes)
+                functions.extend(  # `helpers.scaled(self, x)`: its code too
+                    function for attribute in names
+                    if isinstance(function := attributes.get(attribute), types.FunctionType))
             elif isinstance(value, type) and not issubclass(value, torch.nn.Module) \
                     and next(_user_bases(value), None) is value:
                 # A settings class (a notebook's `class CFG: temperature = 0.07`): its class
@@ -274,8 +278,13 @@ def _methods(klass: type) -> Iterator[types.FunctionType]:
 
 def _named_by_classes(module: torch.nn.Module) -> set[str]:
     """Every name the code of the tree's module classes names, installed code included: their
-    methods and those of their bases, `torch.nn.Module`'s too (`training`)."""
-    classes = {base for m in module.modules() for base in type(m).__mro__ if base is not object}
+    methods and those of their bases, `torch.nn.Module`'s too (`training`); and the methods of
+    the objects the modules hold (`self.scorer.score(self, x)`)."""
+    held = [value for m in module.modules() for value in vars(m).values()
+            if hasattr(value, "__dict__") and not isinstance(
+                value, (torch.Tensor, torch.nn.Module, type, types.ModuleType))]
+    classes = {base for value in (*module.modules(), *held) for base in type(value).__mro__
+               if base is not object}
     named: set[str] = set()
     for klass in classes:
         for value in vars(klass).values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -931,3 +932,34 @@ def test_what_the_loop_keeps_on_the_model_is_not_a_new_signature_what_the_forwar
         lazy.metrics["loss"] = lazy.last_loss = float(loss)
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks) == (2, 4, 0)
+
+
+def _offset_by_the_script(module, x):
+    """Reads an attribute the script sets on the module: named here, not in the model's code."""
+    return x + module.offset_set_by_the_script
+
+
+this_module = sys.modules[__name__]
+
+
+class CallsAHelperOfAModule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return this_module._offset_by_the_script(self, self.inner(x))
+
+
+def test_an_attribute_a_helper_of_a_user_module_reads_is_part_of_the_signature():
+    """`helpers.f(self, x)`: the helper's code is read too, so the attribute it reads, set by the
+    script after a build, is part of the signature (not served the old graph)."""
+    torch.manual_seed(0)
+    eager = CallsAHelperOfAModule()
+    lazy = lazy_copy(eager, wait_for_builds=True)
+    for step in range(5):
+        for model in (lazy, eager):
+            model.offset_set_by_the_script = 0.5 if step >= 3 else 0.0
+        sum_step_like_eager(lazy, eager, (torch.randn(3, 4),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks) == (2, 3, 0)
