@@ -20,6 +20,9 @@ class Step(Protocol):
     """One call's forward and backward, as the runtime runs them (see `step.Step`)."""
 
     differentiable: tuple[bool, ...]
+    # Whether its backward frees the stash as it goes (runs in segments): only then do the
+    # autograd node's own references to it matter before the backward ends.
+    frees_as_it_goes: bool
 
     def forward(
         self, inputs: tuple[torch.Tensor, ...]
@@ -58,8 +61,8 @@ class LazyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         saved = list(ctx.saved_tensors)
-        # From here the step holds the only references: it frees the stash as it goes.
-        release_saved_tensors(ctx)
+        if ctx.step.frees_as_it_goes:  # the step holds the only references from here
+            release_saved_tensors(ctx)  # (a hook per tensor: 28 a call on the MoE layer)
         return (None, *ctx.step.backward(saved, grads))
 
 

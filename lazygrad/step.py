@@ -58,6 +58,11 @@ class Step:
         self._draw_count = 0  # the draws made (kept or not)
         self._root_types: list[tuple[torch.Size, torch.dtype]] = []
 
+    @property
+    def frees_as_it_goes(self) -> bool:
+        """Whether the planned backward runs in segments, freeing the stash between them."""
+        return bool(self.pair.graphs.backward_segments)
+
     def forward(
         self, primals: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
