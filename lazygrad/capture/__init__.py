@@ -220,6 +220,7 @@ def capture(
     escapes.refuse_kept_tensors(made, traced.mode)
     forward_hooks.refuse_side_effects(side_effects)  # a hook that keeps a tensor is named above
     trace.refuse_state_read_around_the_swap(traced.joint, module)
+    trace.refuse_updates_a_checkpoint_repeats(traced)
     outputs_share = fn.aliasing
     assert outputs_share is not None  # the trace ran it
     for _, code in fn.sized:

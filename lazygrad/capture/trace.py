@@ -358,6 +358,24 @@ def _refuse_assumed_lengths(graph: fx.GraphModule, mode: Any) -> None:
             lines=lines)
 
 
+def refuse_updates_a_checkpoint_repeats(traced: Traced) -> None:
+    """A buffer a `torch.utils.checkpoint` region updates in training (a BatchNorm's running
+    statistics, in DenseNet's memory-efficient layers or a ResNet checkpointed to fit its
+    batch): eager runs the region again in the backward, updating it a second time, where a
+    graph updates it once (a helper's probe: running means up to 28% off eager's, silently).
+    Refused: the region's modules then run as parts inside eager's checkpoint, which runs them
+    again as it runs eager's."""
+    if not traced.training or not traced.mutated:
+        return
+    output = next(node for node in reversed(traced.joint.graph.nodes) if node.op == "output")
+    updates = pytree.tree_leaves(output.args)[:len(traced.mutated)]
+    if any(isinstance(node, fx.Node) and "ac_graph_id" in node.meta for node in updates):
+        raise CaptureError(
+            "a buffer is updated inside a torch.utils.checkpoint region in training (a "
+            "BatchNorm's running statistics): eager updates it again when the backward runs "
+            "the region again, a graph would update it once")
+
+
 def refuse_state_read_around_the_swap(gm: fx.GraphModule, module: torch.nn.Module) -> None:
     """The trace swaps trace tensors into the module it traces; a parameter or buffer that
     still reached the graph as a constant was read around that swap, from a module object the
