@@ -346,6 +346,27 @@ def test_op_runs_through_ort_with_eagers_outputs_and_gradients(name):
     assert lazygrad.stats(lazy).fallbacks == 0
 
 
+def test_a_fourier_layer_trains_through_ort_as_its_sizes_change():
+    """From the first call that changes a size, the sizes are symbols: the size of a complex
+    tensor (read on its real representation), complex zeros and paddings of symbolic sizes
+    did not export, and the error blamed the first op the exporter's registry lacks (the
+    model's convolution, whose every instance then ran eagerly)."""
+    torch.manual_seed(0)
+    eager = FourierLayer()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, (batch, size) in enumerate([(3, 8), (3, 8), (4, 10), (4, 10), (2, 12)]):
+        x = torch.randn(batch, 3, size, size)
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        out, expected = lazy(x), eager(x)
+        assert_close(out.detach(), expected.detach(), f"step {step} output")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures surface at build time
 

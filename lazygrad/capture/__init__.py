@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import re
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
@@ -290,7 +291,11 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         if backward is not None:
             backward = node_order.inline_functions(backward)
     except Exception as error:
-        where = captured.untranslatable[0][1] if captured.untranslatable else None
+        where = _submodule_translating(error, tidied)
+        if where is None:  # an op with no translation that the error names
+            text = _innermost(error)
+            where = next((submodule for op, submodule in captured.untranslatable
+                          if op.rsplit(".", 1)[0] in text), None)  # "op='aten.cummax'"
         raise CaptureError(f"ONNX export failed: {_innermost(error)}", where) from error
     backward_feeds = (
         _feeds_by_name(backward, tidied.backward, tidied.backward_feeds)
@@ -337,6 +342,17 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         seconds=seconds,
         check=tidied.check,
     )
+
+
+def _submodule_translating(error: BaseException, tidied: Tidy) -> str | None:
+    """The submodule whose node the exporter failed to translate, where its error names one
+    ("Error when translating node %sym_size_int_3"); None where it names none. (The first op
+    without a translation was blamed, whatever the error: an innocent Conv1d after an FFT
+    whose size the exporter could not read, whose every instance then ran eagerly.)"""
+    named = re.search(r"translating node %(\w+)", str(error))
+    graphs = [gm for gm in (tidied.forward, tidied.backward) if gm is not None]
+    nodes = [node for gm in graphs for node in gm.graph.nodes if named and node.name == named[1]]
+    return trace.submodule_of(nodes[0]) if len(nodes) == 1 else None
 
 
 def _innermost(error: BaseException) -> str:

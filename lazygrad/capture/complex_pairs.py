@@ -17,11 +17,15 @@ those not in `_REWRITES`, are left as they are (the exporter names what it canno
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from lazygrad.capture import private
 
 aten = torch.ops.aten
 
@@ -56,11 +60,17 @@ class _Emit:
 
     def __init__(self, graph: fx.Graph) -> None:
         self.graph = graph
+        # A factory op reads no fake tensor that would dispatch it to the fake mode (complex
+        # zeros of symbolic sizes, made as pairs: the CPU kernel refused the symbols); the
+        # Python dispatcher, as in the trace (`trace.py`), for a symbolic padding.
+        self.fake_mode = private.detect_fake_mode(
+            [node.meta.get("val") for node in graph.nodes if node.op == "placeholder"])
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
         node = self.graph.call_function(op, args, kwargs)
         values = fx.node.map_arg((args, kwargs), lambda arg: _physical(arg.meta["val"]))
-        node.meta["val"] = op(*values[0], **values[1])
+        with self.fake_mode or contextlib.nullcontext(), private.enable_python_dispatcher():
+            node.meta["val"] = op(*values[0], **values[1])
         return node
 
     def real(self, value: Any) -> Any:
@@ -271,8 +281,10 @@ def _zeros_like(emit: _Emit, node: fx.Node) -> fx.Node | None:
 def _empty_strided(emit: _Emit, node: fx.Node) -> fx.Node:
     source, size, stride = node.args[:3]
     kwargs = {**node.kwargs, "dtype": node.meta["val"].dtype.to_real()}
+    doubled = [emit(operator.mul, step, 2) if isinstance(step, fx.Node) else 2 * step
+               for step in stride]  # a symbolic stride is a node computing it
     return emit.complex(emit(aten.new_empty_strided.default, emit.real(source), [*size, 2],
-                             [*(2 * step for step in stride), 1], **kwargs))
+                             [*doubled, 1], **kwargs))
 
 
 def _equal(emit: _Emit, node: fx.Node) -> fx.Node:
@@ -283,6 +295,13 @@ def _equal(emit: _Emit, node: fx.Node) -> fx.Node:
     equal = emit(aten.all.dim, pairs, -1)
     return equal if node.target in (aten.eq.Tensor, aten.eq.Scalar) \
         else emit(aten.logical_not.default, equal)
+
+
+def _size(emit: _Emit, node: fx.Node) -> fx.Node:
+    """A complex tensor's size where it is a symbol (an FFT over a length that changes), read
+    from its real representation."""
+    source, dim = node.args
+    return emit(aten.sym_size.int, emit.real(source), _dim(dim))
 
 
 def _parts(emit: _Emit, node: fx.Node) -> Sequence[fx.Node]:
@@ -328,6 +347,7 @@ _REWRITES: dict[Any, Callable[[_Emit, fx.Node], fx.Node | None]] = {
     aten.full.default: _zeros(0),
     aten.eq.Tensor: _equal,
     aten.eq.Scalar: _equal,
+    aten.sym_size.int: _size,
     aten.ne.Tensor: _equal,
     aten.ne.Scalar: _equal,
     aten.bmm.default: _product(aten.bmm.default),
