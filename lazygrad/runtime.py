@@ -629,7 +629,7 @@ class Runtime:
         state_names = list(state)
         primals = [*state.values(), *call.tensors]
         device = _common_device(state_names, primals)
-        shared, roots = aliasing(tensors, primals)
+        shared, roots = aliasing(tensors, primals, inference=not signature.grad)
         with self._lock:
             self.stats.eager_steps += 1
             entry = self._entries.get(signature)

@@ -96,6 +96,36 @@ def test_train_and_eval_get_their_own_graphs_and_eval_still_differentiates_like_
     assert lazygrad.stats(model).exports == 3  # train, eval, and eval without grad
 
 
+class AttendsThenScores(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.score = torch.nn.Linear(32, 5)
+
+    def forward(self, x, padding):
+        attended, weights = self.attention(x, x, x, key_padding_mask=padding)
+        return self.score(attended), weights
+
+
+def test_multihead_attention_in_eval_under_no_grad_runs_whole_through_ort():
+    """Its fast path in eval under no_grad makes the next Linear's output a view of a tensor
+    nothing else holds, which the traced path does not: "the trace and eager disagree on
+    which outputs share memory", and the model ran in parts."""
+    torch.manual_seed(0)
+    eager = AttendsThenScores().eval()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x = torch.randn(3, 10, 32)
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[1, 7:] = True
+    with torch.no_grad():
+        for call in range(3):
+            for got, expected in zip(lazy(x, padding), eager(x, padding), strict=True):
+                assert_close(got, expected, f"call {call}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 0 and stats.fallbacks == 0
+    assert [entry.hits for entry in stats.entries] == [2]
+
+
 def test_no_grad_gives_plain_tensors():
     model = LazyMLP()
     with torch.no_grad():

@@ -18,6 +18,7 @@ trace returns the roots, `trace.Functional`), so both number roots alike.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -72,9 +73,14 @@ class Aliasing:
         ]
 
 
-def aliasing(outputs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor]
-             ) -> tuple[Aliasing, list[torch.Tensor]]:
-    """The aliasing of `outputs` (eager's or traced) and their roots, in order of first use."""
+def aliasing(outputs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor],
+             inference: bool = False) -> tuple[Aliasing, list[torch.Tensor]]:
+    """The aliasing of `outputs` (eager's or traced) and their roots, in order of first use.
+    `inference` (a call without autograd): an output that is the only one viewing its root is
+    a root itself. That it views a tensor nothing else holds is unobservable there, and eager
+    and a trace may disagree on it (`nn.MultiheadAttention`'s fast path in eval under no_grad
+    makes the next Linear's output a view, its traced path does not: such a model ran in
+    parts)."""
     roots: list[torch.Tensor] = []
     sources = []
     views = []
@@ -90,6 +96,11 @@ def aliasing(outputs: Sequence[torch.Tensor], primals: Sequence[torch.Tensor]
                 roots.append(base)
             sources.append(("root", index))
         views.append(output is not base)
+    if inference:
+        shared = collections.Counter(sources)
+        for k, (output, source, view) in enumerate(zip(outputs, sources, views)):
+            if view and source[0] == "root" and shared[source] == 1:
+                roots[source[1]], views[k] = output, False
     return Aliasing(tuple(sources), tuple(views)), roots
 
 

@@ -697,7 +697,7 @@ class Functional:
         if len(self.own_roots) == len(outputs):
             outputs = [output.clone() if own and output._base is not None else output
                        for output, own in zip(outputs, self.own_roots)]
-        self.aliasing, roots = aliases.aliasing(outputs, primals)
+        self.aliasing, roots = aliases.aliasing(outputs, primals, inference=self.mask is None)
         self.numbers, sized = self.sized_of(result)
         self.sized = [(at, symbols.to_code(value)) for at, value in sized]
         self.differentiable = [bool(o.requires_grad) for o in outputs]
