@@ -290,6 +290,8 @@ def _named_by_classes(module: torch.nn.Module) -> set[str]:
         for value in vars(klass).values():
             if isinstance(value, property):
                 functions = (value.fget, value.fset)
+            elif isinstance(value, functools.cached_property):
+                functions = (value.func,)
             else:
                 functions = (getattr(value, "__func__", value),)  # staticmethod, classmethod
             for function in functions:
