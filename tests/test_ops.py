@@ -111,11 +111,20 @@ class LearnedGrid(torch.nn.Module):
         super().__init__()
         self.theta = torch.nn.Parameter(torch.tensor([[0.9, 0.2, 0.1], [-0.2, 0.8, -0.1]]))
 
+    modes = (("bilinear", "reflection"), ("bicubic", "border"))
+
     def forward(self, h):
         grid = F.affine_grid(self.theta.expand(len(h), 2, 3), list(h.shape), align_corners=False)
         return _cat(*(F.grid_sample(h, grid * 1.2, mode=mode, padding_mode=padding,
                                     align_corners=False)
-                      for mode, padding in (("bilinear", "reflection"), ("bicubic", "border"))))
+                      for mode, padding in self.modes))
+
+
+class LearnedNearestGrid(LearnedGrid):
+    """Nearest sampling alone: eager's backward gives the grid, and so `theta`, a gradient of
+    zeros; torch's decomposition gave it none (`.grad` None: AdamW skipped its decay)."""
+
+    modes = (("nearest", "zeros"),)
 
 
 def _accumulated(h):
@@ -152,6 +161,7 @@ OPS = {
     "padding": _padded,
     "grid_sample": _sampled,
     "grid_sample_learned": LearnedGrid(),
+    "grid_sample_nearest_learned": LearnedNearestGrid(),
     "avg_pool": _avg_pool,
     "adaptive_avg_pool": lambda h: F.adaptive_avg_pool2d(h, (2, 3)),
     "adaptive_max_pool": lambda h: F.adaptive_max_pool2d(_ties(h), (3, 5)),

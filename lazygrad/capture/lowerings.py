@@ -1056,6 +1056,21 @@ def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor
     return kernel
 
 
+def grid_sampler(input: torch.Tensor, grid: torch.Tensor, interpolation_mode: int,
+                 padding_mode: int, align_corners: bool) -> torch.Tensor:
+    """Grid sampling as torch's decomposition computes it (`as_torch_decomposes`). In nearest
+    mode (1) it rounds the positions, so the grid gets no gradient at all, where eager's
+    backward gives it zeros (a spatial transformer's localisation layers got `None`, and AdamW
+    skipped their weight decay): the grid joins the result through a selection that never
+    picks it, whose gradient is those zeros, and whose value is the sample's, bit for bit."""
+    sampled = private.decomposition_table[aten.grid_sampler_2d.default](
+        input, grid, interpolation_mode, padding_mode, align_corners)
+    if interpolation_mode != 1:
+        return sampled
+    never = torch.zeros((), dtype=torch.bool, device=grid.device)
+    return torch.where(never, grid.sum().to(sampled.dtype), sampled)
+
+
 def dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     """`dropout` as eager computes it: without a draw (p 0, or not training) it hands its input
     through. torch's decomposition returns a clone, another tensor than eager's: a module whose
@@ -1085,9 +1100,10 @@ COMPOSITE = {
     aten.embedding_bag.padding_idx: embedding_bag,
     aten.adaptive_avg_pool2d.default: adaptive_avg_pool2d,
     aten.adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    aten.grid_sampler_2d.default: grid_sampler,
     **{op: as_torch_decomposes(op) for op in (
         aten.replication_pad1d.default, aten.replication_pad2d.default,
-        aten.replication_pad3d.default, aten.grid_sampler_2d.default)},
+        aten.replication_pad3d.default)},
 }
 
 TABLE = {
