@@ -651,7 +651,7 @@ class Runtime:
                 self._pair_for(signature, entry, None, primals, None, device, watch.record())
             except BuildFailed as failure:
                 return self._fall_back(signature, call, args, kwargs, str(failure), result,
-                                       failure.where)
+                                       failure.where, failure.blamed)
             return result
         if entry.aliasing != shared:  # another thread's first call returned other aliasing
             return result
@@ -1103,11 +1103,12 @@ class Runtime:
             raise explained from eager_error
 
     def _fall_back(self, signature: Signature, call: FlatCall, args: tuple, kwargs: dict,
-                   reason: str, result: Any = None, where: str | None = None) -> Any:
+                   reason: str, result: Any = None, where: str | None = None,
+                   blamed: bool = True) -> Any:
         """Run eagerly (unless `result` is eager's already) and record the fallback."""
         if result is None:
             result = self._eager_or_explain(args, kwargs, call)
-        self._give_up(signature, reason, where)
+        self._give_up(signature, reason, where, blamed=blamed)
         return result
 
     def _give_up_on(self, signature: Signature, failure: BaseException) -> None:

@@ -445,3 +445,38 @@ def test_a_child_branching_on_a_size_its_parent_read_from_data_is_captured_on_it
             squares_step_like_eager(lazy, eager, (torch.randn(8, 4), raw), f"step {step}")
     parts = lazygrad.stats(lazy).parts
     assert parts["attention"].hits >= 2 and parts["attention"].fallbacks == 0
+
+
+class PacksItsSequences(torch.nn.Module):
+    """Text of several lengths through an LSTM as packed sequences, and a second LSTM of the
+    same settings given the padded result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed = torch.nn.LSTM(8, 8, batch_first=True)
+        self.padded = torch.nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                         enforce_sorted=False)
+        out, _ = self.packed(packed)
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
+                                                        total_length=x.shape[1])
+        return self.padded(out)[0]
+
+
+def test_an_rnn_given_a_packed_sequence_runs_eagerly_said_so_and_its_class_still_traces():
+    """A packed sequence's batch sizes are data: that call runs in eager PyTorch, with that
+    reason (it was a bare TypeError), and its class is not held to fail: the other LSTM, of
+    the same settings, given padded tensors, runs through ORT (every LSTM ran eagerly)."""
+    torch.manual_seed(0)
+    eager = PacksItsSequences()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    lengths = torch.tensor([5, 3, 4])
+    with pytest.warns(lazygrad.GraphBreakWarning, match="given a PackedSequence"):
+        for step in range(3):
+            squares_step_like_eager(lazy, eager, (torch.randn(3, 5, 8), lengths),
+                                    f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.breaks == 1 and "every LSTM" not in stats.reasons[0]
+    assert stats.parts["padded"].hits == 1 and stats.parts["packed"].fallbacks == 1

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules import module as torch_module
+from torch.nn.utils.rnn import PackedSequence
 
 from lazygrad import global_hooks, user_code
 from lazygrad.capture import (
@@ -256,7 +257,13 @@ def trace(
         except CaptureError:
             raise
         except Exception as error:
-            raise CaptureError(describe(error), failing_submodule(error, names),
+            where = failing_submodule(error, names)
+            if _given_a_packed_sequence(error, names):
+                raise CaptureError(
+                    "an RNN given a PackedSequence (`pack_padded_sequence`): its batch sizes are "
+                    "data, which a graph would read as sizes; such calls run in eager PyTorch",
+                    where, blamed=False) from error
+            raise CaptureError(describe(error), where,
                                sizes=any(map(any, dynamic)),
                                lines=data_lengths.lines_branched_on(error),
                                blamed=not isinstance(error, private.GuardOnDataDependentSymNode)
@@ -341,6 +348,20 @@ def failing_submodule(error: BaseException, names: dict[int, str]) -> str | None
             found = names[id(owner)]
         frame = frame.tb_next
     return found
+
+
+def _given_a_packed_sequence(error: BaseException, names: dict[int, str]) -> bool:
+    """Whether the innermost submodule running when `error` was raised was given a
+    `PackedSequence` (its failure is then that call's, not its class's: the same LSTM given
+    padded tensors traces)."""
+    given = False
+    frame = error.__traceback__
+    while frame is not None:
+        local = frame.tb_frame.f_locals
+        if id(local.get("self")) in names:
+            given = any(isinstance(value, PackedSequence) for value in local.values())
+        frame = frame.tb_next
+    return given
 
 
 def _refuse_assumed_lengths(graph: fx.GraphModule, mode: Any) -> None:
