@@ -1383,6 +1383,11 @@ class _FirstBackward:
         self.count, self.probed, self.device, self.watch = count, probed, device, watch
 
     def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if torch.is_grad_enabled():
+            # create_graph=True: such a backward runs in eager PyTorch whatever is built (ORT's
+            # records no graph), so none is built for it (a gradient penalty's signature built
+            # a pair that never served); a later plain backward of the signature builds.
+            return
         cotangents: list[torch.Tensor | None] = [None] * self.count
         for index, grad in zip(self.probed, grads):
             cotangents[index] = grad

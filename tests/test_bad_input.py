@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, assert_grads_equal
 
 import lazygrad
 
@@ -187,6 +187,30 @@ def test_create_graph_gives_eagers_gradients_and_second_order_gradients(how):
         if expected is not None:
             assert_close(got, expected, f"second-order gradient of {name}")
     _assert_still_trains_like_eager(lazy, eager)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_that_creates_a_graph_builds_no_pair_that_would_never_serve():
+    """A gradient penalty's call (its input requires grad, its first backward creates a graph)
+    built a pair for that backward's mask at it, which never served: such a backward runs in
+    eager PyTorch whatever is built (a helper's WGAN-GP probe: a pair with 0 hits). Now only
+    the plain backward after it (the penalty's, through the same call) builds, and serves."""
+    lazy, eager = _pair()
+    x, mask = _inputs()
+    for step in range(3):
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        gradients = []
+        for model in (lazy, eager):
+            inputs = x.clone().requires_grad_(True)
+            out, aux = model(inputs, mask)
+            (grad,) = torch.autograd.grad(out.square().sum() + aux, inputs, create_graph=True)
+            grad.square().sum().backward()
+            gradients.append(grad.detach())
+        assert_close(*gradients, f"step {step}: input gradient")
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 1 and all(entry.hits > 0 for entry in stats.entries)
 
 
 @pytest.mark.falls_back
