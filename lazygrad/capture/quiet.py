@@ -27,6 +27,9 @@ class _OnQuietThreads:
     """A filter's message pattern: matches on a thread inside `ignoring`, where the message
     starts with one of that thread's prefixes (any message, given none)."""
 
+    # As a compiled pattern's, for code that reads the filters (a filter list printed).
+    pattern = "(lazygrad: a warning of its trace or export)"
+
     def __init__(self) -> None:
         self._local = threading.local()
 
