@@ -377,6 +377,40 @@ def test_a_fourier_layer_trains_through_ort_as_its_sizes_change():
     assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
 
 
+class SpatialTransformer(torch.nn.Module):
+    """Its affine transform predicted from the input, its grid of the input's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locate = torch.nn.Linear(192, 6)
+        self.head = torch.nn.Linear(192, 3)
+
+    def forward(self, x):
+        theta = self.locate(x.flatten(1)).view(-1, 2, 3)
+        grid = F.affine_grid(theta, x.size(), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False).flatten(1))
+
+
+def test_a_spatial_transformer_is_served_by_one_graph_as_its_batch_changes():
+    """`affine_grid` of the input's size: its op's own kernel took exact sizes only, so the
+    trace with the batch a symbol failed, and each batch size was traced and built anew."""
+    torch.manual_seed(0)
+    eager = SpatialTransformer()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    # (Over 3: the decomposition's trace assumes a batch unequal to a grid point's 3 values.)
+    for step, batch in enumerate([4, 4, 6, 6, 5]):
+        x = torch.randn(batch, 3, 8, 8)
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+        out, expected = lazy(x), eager(x)
+        assert_close(out.detach(), expected.detach(), f"step {step} output")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_equal(lazy, eager, f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures surface at build time
 

@@ -1048,7 +1048,9 @@ def as_torch_decomposes(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor
     grid sampling by indexing (`_unsafe_index`, with clamped or interpolated positions), whose
     gradient, an accumulating index_put, translates (`accumulate_rows`); the ops' own backward
     ops (`replication_pad2d_backward`, `grid_sampler_2d_backward`) have no ONNX translation,
-    and the model ran in parts."""
+    and the model ran in parts. An affine grid too: `affine_grid_generator`'s own kernel takes
+    exact sizes only, so a spatial transformer's batch size that changed failed the trace with
+    sizes as symbols, and each batch size got graphs of its own."""
 
     def kernel(*args: object) -> torch.Tensor:
         return private.decomposition_table[op](*args)
@@ -1103,7 +1105,7 @@ COMPOSITE = {
     aten.grid_sampler_2d.default: grid_sampler,
     **{op: as_torch_decomposes(op) for op in (
         aten.replication_pad1d.default, aten.replication_pad2d.default,
-        aten.replication_pad3d.default)},
+        aten.replication_pad3d.default, aten.affine_grid_generator.default)},
 }
 
 TABLE = {
