@@ -19,7 +19,13 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close, assert_grads_equal, ran_through_ort, sum_step_like_eager
+from conftest import (
+    assert_close,
+    assert_grads_equal,
+    ran_through_ort,
+    squares_step_like_eager,
+    sum_step_like_eager,
+)
 
 import lazygrad
 from lazygrad import attach
@@ -365,14 +371,8 @@ def test_a_fourier_layer_trains_through_ort_as_its_sizes_change():
     eager = FourierLayer()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     for step, (batch, size) in enumerate([(3, 8), (3, 8), (4, 10), (4, 10), (2, 12)]):
-        x = torch.randn(batch, 3, size, size)
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        out, expected = lazy(x), eager(x)
-        assert_close(out.detach(), expected.detach(), f"step {step} output")
-        out.square().sum().backward()
-        expected.square().sum().backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        squares_step_like_eager(lazy, eager, (torch.randn(batch, 3, size, size),),
+                                f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
 
@@ -399,14 +399,7 @@ def test_a_spatial_transformer_is_served_by_one_graph_as_its_batch_changes():
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
     # (Over 3: the decomposition's trace assumes a batch unequal to a grid point's 3 values.)
     for step, batch in enumerate([4, 4, 6, 6, 5]):
-        x = torch.randn(batch, 3, 8, 8)
-        for model in (lazy, eager):
-            model.zero_grad(set_to_none=True)
-        out, expected = lazy(x), eager(x)
-        assert_close(out.detach(), expected.detach(), f"step {step} output")
-        out.square().sum().backward()
-        expected.square().sum().backward()
-        assert_grads_equal(lazy, eager, f"step {step}")
+        squares_step_like_eager(lazy, eager, (torch.randn(batch, 3, 8, 8),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
 

@@ -72,10 +72,17 @@ def rewrite(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor | None]
     """Apply to every cross-entropy gradient of `gm` (a backward) whose readers allow it and
     whose first call kept few rows, in place; how many. `inputs`: the first call's value of one
     of the graph's inputs (`first_call_inputs`), or None where unknown."""
+    return _each(gm, aten.scatter_add.default,
+                 lambda node: _skip_ignored_rows(gm.graph, node, inputs))
+
+
+def _each(gm: fx.GraphModule, target: Any, rewrite_one: Callable[[fx.Node], int]) -> int:
+    """`rewrite_one` (1 if it rewrote, else 0) on each node of `target` still in the graph;
+    how many it rewrote, the graph rebuilt if any."""
     fired = 0
     for node in list(gm.graph.nodes):
-        if node.graph is gm.graph and node.target is aten.scatter_add.default:
-            fired += _skip_ignored_rows(gm.graph, node, inputs)
+        if node.graph is gm.graph and node.target is target:
+            fired += rewrite_one(node)
     if fired:
         rebuilt(gm)
     return fired
@@ -337,13 +344,8 @@ def rewrite_forward(gm: fx.GraphModule, inputs: Callable[[fx.Node], torch.Tensor
     it. A row's log-softmax is computed from that row alone, so a kept row's value is the one
     the full op gives; an ignored row's, which the `where` drops, is zero instead (eager's
     `where` drops it whatever it is, a NaN of an overflowed row included)."""
-    fired = 0
-    for node in list(gm.graph.nodes):
-        if node.graph is gm.graph and node.target is aten.gather.default:
-            fired += _pick_kept_rows_forward(gm.graph, node, inputs)
-    if fired:
-        rebuilt(gm)
-    return fired
+    return _each(gm, aten.gather.default,
+                 lambda node: _pick_kept_rows_forward(gm.graph, node, inputs))
 
 
 def _same_op(a: Any, b: Any) -> bool:
