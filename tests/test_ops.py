@@ -29,6 +29,7 @@ from conftest import (
 
 import lazygrad
 from lazygrad import attach
+from lazygrad.capture import lowerings
 from lazygrad.capture.trace import onnx_registry
 from lazygrad.session import GraphSession
 
@@ -160,8 +161,20 @@ def _ranked(h):
                 rows.median().expand(len(h), 1), h)
 
 
+
+def _distances(h):
+    """`cdist` where eager takes its fused kernel, whose backward has no translation
+    (`lowerings.distances`): few rows (a prototypical network's episode), p other than 2, the
+    direct mode; a set against itself has zero distances, whose gradient is zero."""
+    rows = h.flatten(2)  # (batch, channels, 64)
+    other = rows.flip(1) * 0.5
+    return _cat(torch.cdist(rows, rows), torch.cdist(rows, other, p=1.0),
+                torch.cdist(rows, other, p=3.0), torch.cdist(rows, other, p=1.5),
+                torch.cdist(rows, other, compute_mode="donot_use_mm_for_euclid_dist"))
+
 OPS = {
     "ranked": _ranked,
+    "distances": _distances,
     "attention": _attention,
     "max_pool": _max_pool,
     "padding": _padded,
@@ -402,6 +415,47 @@ def test_a_spatial_transformer_is_served_by_one_graph_as_its_batch_changes():
         squares_step_like_eager(lazy, eager, (torch.randn(batch, 3, 8, 8),), f"step {step}")
     stats = lazygrad.stats(lazy)
     assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
+
+
+class PrototypeDistances(torch.nn.Module):
+    """A prototypical network's head: each query's L1 and euclidean distances to 5 learned
+    prototypes, as logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 8)
+        self.prototypes = torch.nn.Parameter(torch.randn(5, 8))
+
+    def forward(self, x):
+        queries = self.embed(x)
+        return -(torch.cdist(queries, self.prototypes) + torch.cdist(queries, self.prototypes, 1))
+
+
+def test_a_prototypical_network_runs_whole_through_ort_as_its_episode_size_changes():
+    torch.manual_seed(0)
+    eager = PrototypeDistances()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    for step, queries in enumerate([10, 10, 15, 15, 20]):
+        squares_step_like_eager(lazy, eager, (torch.randn(queries, 6),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.builds, stats.hits, stats.fallbacks, stats.breaks) == (2, 3, 0, 0)
+
+
+def test_a_cdist_whose_differences_would_be_large_is_left_to_its_fused_op(monkeypatch):
+    """Its differences would exceed `DIFFERENCES_AT_MOST` elements (4 MiB), which the fused op
+    never makes: the op stays as torch computes it, and the model runs in parts with eager's
+    gradients, the op named."""
+    monkeypatch.setattr(lowerings, "DIFFERENCES_AT_MOST", 10 * 5 * 8 - 1)
+    torch.manual_seed(0)
+    eager = PrototypeDistances()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step in range(2):
+            squares_step_like_eager(lazy, eager, (torch.randn(10, 6),), f"step {step}")
+    stats = lazygrad.stats(lazy)
+    assert (stats.fallbacks, stats.breaks) == (0, 1)
+    assert "_cdist_forward" in stats.reasons[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ Like torch._decomp's tables these compute the op itself, not a gradient of anyth
 graph built with them is checked against its FX graph (verify.py) before it serves a step.
 Replication padding and grid sampling are traced as torch._decomp's own decompositions
 (`as_torch_decomposes`), whose gradients translate; `nn.Bilinear`'s op as one contraction
-(`bilinear`).
+(`bilinear`); `cdist`'s fused kernel as the norms of the pairs' differences (`distances`).
 """
 
 from __future__ import annotations
@@ -1083,6 +1083,30 @@ def dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
     return input
 
 
+# The most elements of the pairwise differences a lowered `cdist` makes (`distances`): 4 MiB.
+DIFFERENCES_AT_MOST = 1 << 20
+
+
+def distances(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0,
+              compute_mode: int | None = None) -> torch.Tensor:
+    """`torch.cdist` where eager takes the fused `_cdist_forward` (every p but 2, and 2 with at
+    most 25 rows on both sides), whose backward op has no ONNX translation (a prototypical
+    network's 5-way episode or an L1 codebook lookup ran in parts): the p-norm of every pair's
+    difference, whose gradient (`vector_norm`'s) is the fused op's, zero at zero distance too.
+    Left as torch computes it: euclidean distances by products (that path translates), p = inf
+    (the norm's gradient splits a tie, the fused op gives each tied element all of it), and
+    pairs whose differences would exceed DIFFERENCES_AT_MOST elements (the fused op never makes
+    them)."""
+    mode = 0 if compute_mode is None else compute_mode
+    rows, columns = x1.size(-2), x2.size(-2)
+    by_products = p == 2 and (mode == 1 or (mode == 0 and (rows > 25 or columns > 25)))
+    batch = math.prod(torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2]))
+    if (by_products or p == math.inf or x1.numel() == 0 or x2.numel() == 0
+            or batch * rows * columns * x1.size(-1) > DIFFERENCES_AT_MOST):
+        return private.own_composite_kernel(aten.cdist.default)(x1, x2, p, compute_mode)
+    return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+
+
 def bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """`nn.Bilinear`'s op, x1^T W_o x2 (+ b_o) for each output o, as one contraction: torch's
@@ -1097,6 +1121,7 @@ def bilinear(input1: torch.Tensor, input2: torch.Tensor, weight: torch.Tensor,
 # eager computes it.
 COMPOSITE = {
     aten.bilinear.default: bilinear,
+    aten.cdist.default: distances,
     aten.dropout.default: dropout,
     aten._weight_norm.default: weight_norm,
     aten.embedding_bag.padding_idx: embedding_bag,

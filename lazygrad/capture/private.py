@@ -10,6 +10,7 @@ gate any upgrade. Nothing else in lazygrad imports a private torch module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import itertools
@@ -313,6 +314,12 @@ def composite_kernels(kernels: dict[Any, Callable[..., Any]]) -> Iterator[None]:
             if kernel is not None:
                 op.py_kernels[key] = kernel
             op._dispatch_cache.clear()
+
+
+def own_composite_kernel(op: Any) -> Callable[..., Any]:
+    """`op`'s own (C++) kernel at the CompositeImplicitAutograd key, past a Python kernel that
+    `composite_kernels` put there: for the cases such a kernel leaves as torch computes them."""
+    return functools.partial(op._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 @contextlib.contextmanager
