@@ -100,3 +100,23 @@ def test_memory_peak_table_shows_both_loops_and_ratios() -> None:
     predict = next(line for line in lines if '"predict"' in line)
     assert "| 1500 / — | 1.50 / — | 0.75 / — | 100 / — |" in predict
     assert lines[1] == "| --- | ---: | ---: | ---: | ---: |"
+
+
+def test_faults_table_pairs_each_peer_with_eager_of_its_round() -> None:
+    from benchmarks import faults
+
+    def row(seconds: float, faults_per_step: float, in_ort: float | None) -> dict:
+        return {"step_s": seconds, "faults": faults_per_step, "ort_faults": in_ort,
+                "fallbacks": None if in_ort is None else 0}
+
+    rows = {}
+    for allocator in faults.ALLOCATORS:
+        rows[allocator, "eager"] = [row(0.2, 30000, None), row(0.4, 30000, None)]
+        rows[allocator, "lazygrad, cold cache"] = [row(0.1, 10, 2), row(0.4, 30, 4)]
+        rows[allocator, "lazygrad, warm cache"] = [row(0.3, 20000, 8000), row(0.4, 20000, 8000)]
+    lines = faults.table("bert all three", rows)
+    assert lines[0] == "### bert all three"
+    assert "| default | eager | 300.0 | 1.000 | 30000 | — |" in lines
+    # per round 0.5 and 1.0: their median, not the ratio of medians (250 / 300)
+    assert "| default | lazygrad, cold cache | 250.0 | 0.750 | 20 | 3 |" in lines
+    assert "| default | lazygrad, warm cache | 350.0 | 1.250 | 20000 | 8000 |" in lines
