@@ -13,10 +13,13 @@ arena (session.py), with layer-wise recomputation (`recompute_layers`, capture/l
 its cost) and with the backward in two segments at most (the default before 2026-12-07: its
 memory against its time), so each one's effect is measured in the same rounds as the rest,
 under the same load; `--ablate` followed by words keeps only the peers whose names hold one of
-them. The load average is printed
-before and after: on a shared machine absolute times drift, ratios much less. Each step's
-process CPU time (user + system, all threads) is recorded too: the work a step does, which
-waiting for a core under load does not inflate.
+them. `--no-openmp-pause` runs every lazygrad peer with torch's OpenMP threads left spinning as
+an ORT run starts (openmp.py): a runtime switch, so it is measured by runs of its own, paired with
+runs without it; as a peer it would run right after the other lazygrad peer in every round (the
+rotation keeps the peers' cyclic order) and find the threads that peer ended. The load
+average is printed before and after: on a shared machine absolute times drift, ratios much
+less. Each step's process CPU time (user + system, all threads) is recorded too: the work a
+step does, which waiting for a core under load does not inflate.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable, Iterator
 import lazygrad
 from benchmarks.timing import interleave, paired_ratio
 from benchmarks.workloads import WORKLOADS
-from lazygrad import session
+from lazygrad import openmp, session
 from lazygrad.capture import identity_outputs, ignored_rows, peephole, zero_where
 
 # peer -> (what its graphs are built without, its options to lazygrad.lazy)
@@ -130,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds (cycles for MoE)")
     parser.add_argument("--ablate", nargs="*", metavar="PEER",
                         help="also without each speed-up (or those named)")
+    parser.add_argument("--no-openmp-pause", action="store_true",
+                        help="leave torch's OpenMP threads spinning as ORT runs start")
     args = parser.parse_args(argv)
+    openmp.ENABLED = not args.no_openmp_pause
     os.environ["LAZYGRAD_CACHE_DIR"] = ""  # every graph built by this code
     os.environ["LAZYGRAD_WAIT_FOR_BUILDS"] = "1"
     for name in args.workloads:

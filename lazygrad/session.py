@@ -25,7 +25,7 @@ from onnxruntime.capi import _pybind_state as ort_c
 from torch._C import _from_dlpack
 from torch.utils.dlpack import to_dlpack
 
-from lazygrad import clock
+from lazygrad import clock, openmp
 from lazygrad.capture import stacked_io
 
 # The model's metadata key listing, comma-separated, the outputs that are complex tensors in
@@ -250,6 +250,8 @@ class _Binding:
             stacks = self._bind_stacked_outputs()
             if self._cuda:
                 io.synchronize_inputs()
+            else:
+                openmp.end_spinning_threads()  # they would share ORT's cores (openmp.py)
             started = time.perf_counter()
             try:
                 self._run(io, None)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import threading
 
+import pytest
 import torch
 from conftest import assert_close, compose_loss, reference_vjp
 
 import lazygrad
+from lazygrad import openmp
 from lazygrad.examples.models import MoELayer, ThreeHeadMLP
 
 
@@ -141,3 +143,30 @@ def test_two_thousand_steps_alternating_three_masks_keep_cache_and_memory_flat()
     # 8x the settling measured (about 0.5 MiB) and far below that.
     growth = max(rss[5:]) - rss[4]
     assert growth < 4096, f"RSS grew by {growth} KiB after warm-up: {rss}"
+
+
+def _threads() -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+@pytest.mark.skipif(openmp._pause() is None or torch.get_num_threads() < 2,
+                    reason="needs GNU OpenMP with a pause and two intra-op threads")
+def test_an_ort_run_ends_torchs_spinning_openmp_threads_and_torch_starts_them_again():
+    """torch's OpenMP threads spin for milliseconds after its parallel op and would share the
+    cores with ORT's run (openmp.py): the run ends them first, and torch's next parallel op
+    starts them again, with its results unchanged."""
+    torch.manual_seed(0)
+    eager = ThreeHeadMLP()
+    lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
+    x, big = torch.randn(6, 16), torch.randn(1 << 20)
+    for _ in range(2):  # the first call runs eagerly and builds
+        lazy(x)[0].sum().backward()
+    doubled = big * 2  # a parallel op: torch's OpenMP threads now run beside this one
+    with_pool = _threads()
+    out = lazy(x)
+    assert _threads() < with_pool
+    assert_close(big * 2, doubled, "a parallel op after the run")
+    assert _threads() == with_pool
+    assert_close(out[0], eager(x)[0], "the output")
+    assert lazygrad.stats(lazy).fallbacks == 0
