@@ -26,9 +26,9 @@ ENABLED = True  # `python -m benchmarks.steady --no-openmp-pause` measures the r
 
 @functools.cache
 def _pause() -> Callable[[int], int] | None:
-    """GNU's `omp_pause_resource_all`, where torch's OpenMP runtime is GNU's (Linux wheels). Not
-    LLVM's or Intel's (macOS, some conda builds): their pause acts on every thread's pool of the
-    process at once, not the caller's only, and is not measured here."""
+    """GNU's `omp_pause_resource_all`, where torch's OpenMP runtime is GNU's (Linux wheels):
+    its pause ends the calling thread's pool only (libgomp's `gomp_pause_host`). Not LLVM's or
+    Intel's (macOS, some conda builds), whose pause is neither read nor measured here."""
     try:
         process = ctypes.CDLL(None)
     except (OSError, TypeError):  # Windows: no process-wide namespace to look in
