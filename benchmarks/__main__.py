@@ -257,20 +257,25 @@ def run(
 ORTMODULE = "ORTModule"
 
 
-def ortmodule_rows(plan: Plan, say: Progress) -> tuple[list[report.Row], dict[str, str]]:
+def ortmodule_rows(
+    plan: Plan, say: Progress,
+) -> tuple[list[report.Row], dict[str, str], dict[str, float]]:
     """ORTModule on workloads 1 and 2, each group in one process of its own environment; its
-    x eager is against eager PyTorch of that environment, measured interleaved there."""
-    rows, versions = [], {}
+    x eager is against eager PyTorch of that environment, measured interleaved there. Also that
+    eager's median step (s) per workload: the two environments' eager steps differ (another
+    torch build), which a ratio to each one's own eager hides."""
+    rows, versions, its_eager = [], {}, {}
     bert = [f"bert {c}" for c in plan.compositions]
     for group, rounds in ((bert, plan.rounds), ([MOE.name], plan.moe_steps // 4)):
         figures, versions = ortmodule.measure(group, rounds)
         for name, found in figures.items():
             rows.append(report.Row(workload=name, peer=ORTMODULE, median_s=found.median_s,
                                    ratio=found.ratio, first_step_s=found.first_step_s))
+            its_eager[name] = found.eager_median_s
             say(f"ORTModule      {name:<20} median {found.median_s * 1e3:7.1f} ms  "
                 f"{found.ratio:5.2f}x its eager, first step {found.first_step_s:.2f} s "
                 f"(its eager's {found.eager_first_step_s:.2f} s)")
-    return rows, versions
+    return rows, versions, its_eager
 
 
 def against_ortmodule(rows: list[report.Row]) -> str:
@@ -284,7 +289,17 @@ def against_ortmodule(rows: list[report.Row]) -> str:
             + ".")
 
 
-def ortmodule_notes(rows: list[report.Row], versions: dict[str, str]) -> list[str]:
+def eager_steps_beside(rows: list[report.Row], its_eager: dict[str, float]) -> str:
+    """Each workload's eager median step in ORTModule's environment beside this run's."""
+    ours = {row.workload: row.median_s for row in rows if row.peer == EAGER}
+    pairs = [f"{name} {seconds * 1e3:.1f} against {ours[name] * 1e3:.1f} ms"
+             for name, seconds in its_eager.items() if name in ours]
+    return ("Eager PyTorch's median step in ORTModule's environment against this run's eager: "
+            + ", ".join(pairs) + ".")
+
+
+def ortmodule_notes(rows: list[report.Row], versions: dict[str, str],
+                    its_eager: dict[str, float]) -> list[str]:
     if not versions:
         return [
             "ORTModule was not measured: its environment is missing (it needs torch 2.4; "
@@ -299,6 +314,7 @@ def ortmodule_notes(rows: list[report.Row], versions: dict[str, str]) -> list[st
         "its first call and backward in that process (export, gradient graph, sessions). Its "
         "median step is not comparable with this environment's peers (another torch).",
         against_ortmodule(rows),
+        eager_steps_beside(rows, its_eager),
     ]
 
 
@@ -401,11 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     say = Progress()
     load_before = f"{os.getloadavg()[0]:.1f}"
     rows, builds, cost = run(plan, say)
-    theirs, versions = ortmodule_rows(plan, say)
+    theirs, versions, its_eager = ortmodule_rows(plan, say)
     rows += theirs
     load = f"{load_before} at start, {os.getloadavg()[0]:.1f} at end"
     seconds = time.perf_counter() - say.start
-    described = notes(plan, args.quick, cost, seconds, load) + ortmodule_notes(rows, versions)
+    described = (notes(plan, args.quick, cost, seconds, load)
+                 + ortmodule_notes(rows, versions, its_eager))
     text = report.markdown(rows, described, builds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)

@@ -42,6 +42,21 @@ def test_build_table_shows_stages_per_mask_beside_the_previous_design() -> None:
     assert any("not re-measured" in line for line in lines)
 
 
+def test_ortmodule_notes_give_the_target_ratio_and_both_environments_eager_steps() -> None:
+    from benchmarks.__main__ import ortmodule_notes
+
+    rows = [
+        report.Row("bert loss", "eager", 0.25, 1.0),
+        report.Row("bert loss", "lazygrad", 0.2, 0.8),
+        report.Row("bert loss", "ORTModule", 0.33, 1.0),
+    ]
+    notes = ortmodule_notes(rows, {"onnxruntime-training": "1.19.2", "torch": "2.4.1",
+                                   "python": "3.11.7"}, {"bert loss": 0.32})
+    assert "bert loss 0.80" in notes[-2]  # 0.8x against ORTModule's 1.0x
+    assert "bert loss 320.0 against 250.0 ms" in notes[-1]
+    assert "not measured" in ortmodule_notes([], {}, {})[0]
+
+
 def test_memory_bisection_finds_the_largest_fitting_batch_within_its_probes() -> None:
     from benchmarks import memory
 
