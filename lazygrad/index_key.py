@@ -15,8 +15,8 @@ version). Code outside a library that the key reads is therefore in it: a change
 misses the index before a step is served. (Graphs served and then confirmed by a trace in the
 background did the same after the fact, with the trace's memory beside the steps: 100 MiB of
 workload A's whole-process peak, `benchmarks/results/memory-targets.md`.) What the key cannot
-see is a module-level variable that the training script reassigns at run time; the README says
-so. Every value is hashed deterministically (the same bytes in every process) or not at all: a
+see is a module-level variable that the training script reassigns at run time; docs/how-it-works.md
+says so. Every value is hashed deterministically (the same bytes in every process) or not at all: a
 value that cannot be (a closure of the user's code, a bound method, an object without
 `__dict__`) makes the key None, and that signature gets no index; so does a global module hook
 (`global_hooks.py`). A library's closure (a wrapper, as `torch._disable_dynamo`'s around
