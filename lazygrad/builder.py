@@ -27,12 +27,13 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-from lazygrad import heap, turns, user_code
+from lazygrad import clock, heap, turns, user_code
 from lazygrad.capture import private
 
 T = TypeVar("T")
@@ -119,8 +120,12 @@ def run(build: Callable[[], T]) -> T:
         for start in _waiting:
             start.set()
         _waiting.clear()
-    with user_code.lent():  # this thread's eager runs, if any, wait with it
-        return _queue(build, _NOW).result()
+    started = time.perf_counter()
+    try:
+        with user_code.lent():  # this thread's eager runs, if any, wait with it
+            return _queue(build, _NOW).result()
+    finally:
+        clock.add_build_wait(time.perf_counter() - started)
 
 
 def _queue(build: Callable[[], T], start: threading.Event) -> concurrent.futures.Future[T]:

@@ -1,8 +1,15 @@
 """Where a training step's time goes: the wall time of a lazy model's forward and backward,
-and the part of it spent inside ONNX Runtime's runs (measured around each run, not estimated).
+less the time it blocked on a build, and the part of it spent inside ONNX Runtime's runs
+(measured around each run, not estimated).
 
-ORT's time is one process-wide total, read before and after a window: with several lazy models
-running at once in other threads, their runs count in each other's windows.
+A step that waits for its graphs (`Options.wait_for_builds`, strict mode) spends seconds
+building; counted as step time, they made a short run's share inside ORT look small (the demo's
+three builds: 8% of its forward and backward inside ORT, where its steps ran through ORT from
+the second on). A build's time is reported as the build's (`EntryStats.build_seconds`).
+
+ORT's time and the time blocked on builds are process-wide totals, read before and after a
+window: with several lazy models running at once in other threads, they count in each other's
+windows.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from lazygrad.capture.private import queue_at_backward_end
 
 _lock = threading.Lock()
 _ort_seconds = 0.0
+_waited_seconds = 0.0
 
 
 def add_ort(seconds: float) -> None:
@@ -25,9 +33,23 @@ def add_ort(seconds: float) -> None:
         _ort_seconds += seconds
 
 
-def ort_seconds() -> float:
-    """Seconds spent inside ORT's runs in this process so far."""
-    return _ort_seconds
+def add_build_wait(seconds: float) -> None:
+    """A step blocked this long on a build."""
+    global _waited_seconds
+    with _lock:
+        _waited_seconds += seconds
+
+
+class Window:
+    """A stretch of a step, from its creation to `close`."""
+
+    def __init__(self) -> None:
+        self._wall, self._ort, self._waited = time.perf_counter(), _ort_seconds, _waited_seconds
+
+    def close(self) -> tuple[float, float]:
+        """(the wall seconds since it opened, less those blocked on builds; ORT's seconds)."""
+        waited = _waited_seconds - self._waited
+        return time.perf_counter() - self._wall - waited, _ort_seconds - self._ort
 
 
 def time_backward(outputs: list[torch.Tensor], record: Callable[[float, float], None]) -> None:
@@ -39,8 +61,8 @@ def time_backward(outputs: list[torch.Tensor], record: Callable[[float, float], 
     def started(grad: torch.Tensor) -> torch.Tensor:
         if state["armed"]:
             state["armed"] = False
-            wall, ort = time.perf_counter(), _ort_seconds
-            queue_at_backward_end(lambda: record(time.perf_counter() - wall, _ort_seconds - ort))
+            window = Window()
+            queue_at_backward_end(lambda: record(*window.close()))
         return grad
 
     for output in outputs:

@@ -281,12 +281,12 @@ class Runtime:
         # forward and backward are timed (`Stats.ort_share`).
         turns.call_starting()
         _calling.active = True
-        started, ort = time.perf_counter(), clock.ort_seconds()
+        window = clock.Window()
         try:
             result = self._dispatch(args, kwargs)
         finally:
             _calling.active = False
-        self._count_time(time.perf_counter() - started, clock.ort_seconds() - ort)
+        self._count_time(*window.close())
         differentiable = []
         if torch.is_grad_enabled():
             with contextlib.suppress(ValueError):  # a result lazygrad cannot walk: untimed

@@ -33,8 +33,9 @@ class Stats:
     reasons: why, per fallback or break (one line each, the module's class first).
     step_seconds / ort_seconds: wall time of the model's forward and backward calls (from the
     call to its return, and from the first gradient reaching its outputs to the end of that
-    backward), and the part of it spent inside ONNX Runtime's runs; `ort_share` is their ratio.
-    Counted for the module the user calls (not for its parts), eager steps included.
+    backward), less the time a step blocked on a build (`wait_for_builds`, strict mode: that is
+    `build_seconds`), and the part of it spent inside ONNX Runtime's runs; `ort_share` is their
+    ratio. Counted for the module the user calls (not for its parts), eager steps included.
     recomputes: backward steps whose mask differed from the forward's plan, so the forward of
     the actual mask was rerun from the saved inputs and draws.
     evictions: pairs dropped by the LRU cache (`cache_size`).

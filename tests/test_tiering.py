@@ -92,6 +92,31 @@ def test_steps_run_eagerly_while_the_graphs_build_then_through_ort(monkeypatch):
     assert stats.builds == 1 and stats.eager_steps == 3 and stats.fallbacks == 0
 
 
+def test_a_step_that_waits_for_its_build_counts_the_wait_as_the_builds_not_as_step_time(
+        monkeypatch):
+    real = runtime.capture
+
+    def slow(*args, **kwargs):  # a build of seconds, as a real model's
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "capture", slow)
+    model = ThreeHeadMLP()
+    eager = copy.deepcopy(model)
+    lazy = lazygrad.lazy(model, wait_for_builds=True)
+    x = torch.randn(6, 16)
+    loss = lambda o: o[0].sum() + o[1].square().mean()  # noqa: E731
+    for step in range(2):  # the first backward blocks on the build; the second step is ORT's
+        out = _step(lazy, eager, x, loss, f"step {step}")
+    assert ran_through_ort(out)
+    stats = lazygrad.stats(lazy)
+    assert stats.builds == 1 and stats.fallbacks == 0
+    # Two steps of this model take milliseconds; the build's two seconds are the build's.
+    assert stats.entries[0].build_seconds >= 2.0
+    assert 0 < stats.step_seconds < 1.0
+    assert 0 < stats.ort_seconds < stats.step_seconds
+
+
 def test_a_background_build_keeps_no_copy_of_the_parameters():
     """The build traces and checks a copy of the parameters (the optimizer may update them
     meanwhile); once it is done nothing holds that copy: not the check's session bindings on
