@@ -7,9 +7,9 @@ building; counted as step time, they made a short run's share inside ORT look sm
 three builds: 8% of its forward and backward inside ORT, where its steps ran through ORT from
 the second on). A build's time is reported as the build's (`EntryStats.build_seconds`).
 
-ORT's time and the time blocked on builds are process-wide totals, read before and after a
-window: with several lazy models running at once in other threads, they count in each other's
-windows.
+ORT's time is a process-wide total, read before and after a window: with several lazy models
+running at once in other threads, their runs count in each other's windows. The time blocked on
+builds is the thread's own, so another thread's wait is never taken off a step's time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lazygrad.capture.private import queue_at_backward_end
 
 _lock = threading.Lock()
 _ort_seconds = 0.0
-_waited_seconds = 0.0
+_waited = threading.local()  # .seconds: this thread's time blocked on builds
 
 
 def add_ort(seconds: float) -> None:
@@ -34,21 +34,26 @@ def add_ort(seconds: float) -> None:
 
 
 def add_build_wait(seconds: float) -> None:
-    """A step blocked this long on a build."""
-    global _waited_seconds
-    with _lock:
-        _waited_seconds += seconds
+    """The calling thread's step blocked this long on a build."""
+    _waited.seconds = _thread_waited() + seconds
+
+
+def _thread_waited() -> float:
+    return getattr(_waited, "seconds", 0.0)
 
 
 class Window:
     """A stretch of a step, from its creation to `close`."""
 
     def __init__(self) -> None:
-        self._wall, self._ort, self._waited = time.perf_counter(), _ort_seconds, _waited_seconds
+        self._thread = threading.get_ident()
+        self._wall, self._ort, self._waited = time.perf_counter(), _ort_seconds, _thread_waited()
 
     def close(self) -> tuple[float, float]:
-        """(the wall seconds since it opened, less those blocked on builds; ORT's seconds)."""
-        waited = _waited_seconds - self._waited
+        """(the wall seconds since it opened, less those this thread blocked on builds; ORT's
+        seconds). A window closed on another thread than it opened on (a backward's end run
+        by another of autograd's threads) keeps its wait."""
+        waited = _thread_waited() - self._waited if threading.get_ident() == self._thread else 0.0
         return time.perf_counter() - self._wall - waited, _ort_seconds - self._ort
 
 
