@@ -19,7 +19,7 @@ measures the targets' figures (about an hour; `--no-batches`: the peaks alone, 2
   batch is served by those graphs from its first step, as a user's next run is after a first
   one whose batch size varied (the cold first run is the peaks' "cold" column).
 
-Prints JSON lines and writes `results/memory-targets.md`.
+Prints JSON lines and adds the run at the top of `results/memory-targets.md`, under the runs before.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ def batch_rows(peaks: dict) -> list[str]:
     return lines
 
 
+TITLE = ("# Issue 10's targets: whole-process peak, cold and warm disk cache, and the largest "
+         "batch")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
     parser.add_argument("--no-batches", action="store_true", help="the peaks alone (25 min)")
@@ -100,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
                     found[f"{name}{kind} first ORT step"] = run.first_served
             peaks[(workload, loop)] = found
             print(json.dumps({"workload": workload, "loop": loop, **found}), flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        "# Issue 10's targets: whole-process peak, cold and warm disk cache",
+        f"## {stamp} (`python -m benchmarks.memory_targets`)",
         "",
-        f"`python -m benchmarks.memory_targets`, {datetime.date.today()}, load average "
-        f"{os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager); default policy, and with "
-        "`recompute_layers=True`.",
+        f"Load average {os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager); default policy, "
+        "and with `recompute_layers=True`.",
         "",
         "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache "
         "| recompute_layers, cold | recompute_layers, warm |",
@@ -119,7 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_batches:
         lines += ["", "Largest batch within eager's batch-16 peak (keep loop; lazygrad warm):", "",
                   *batch_rows(peaks)]
-    (memory.RESULTS / "memory-targets.md").write_text("\n".join(lines) + "\n")
+    path = memory.RESULTS / "memory-targets.md"
+    path.write_text(newest_first(path.read_text() if path.exists() else "", lines))
+
+
+def newest_first(previous: str, section: list[str]) -> str:
+    """The results file with this run's section first, under the title: the file keeps every
+    run, with what was learned from each, and a run must not write over them."""
+    _, _, runs = previous.partition("\n")
+    return "\n".join([TITLE, "", *section, "", runs.lstrip("\n")]).rstrip("\n") + "\n"
 
 
 if __name__ == "__main__":

@@ -104,6 +104,16 @@ def test_memory_targets_compare_the_default_policy_with_eager_and_all() -> None:
     assert "| **missed** |" in memory.target_table(list(found.values()))
 
 
+def test_memory_targets_add_each_run_above_the_runs_before() -> None:
+    from benchmarks.memory_targets import TITLE, newest_first
+
+    first = newest_first("", ["## run 1", "", "| A | 1 |"])
+    second = newest_first(first, ["## run 2"])
+    assert second.splitlines()[0] == TITLE
+    assert second.index("## run 2") < second.index("## run 1") < second.index("| A | 1 |")
+    assert second.count(TITLE) == 1 and second.endswith("| A | 1 |\n")
+
+
 def test_memory_peak_table_shows_both_loops_and_ratios() -> None:
     from benchmarks import memory
 
