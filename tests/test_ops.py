@@ -161,7 +161,6 @@ def _ranked(h):
                 rows.median().expand(len(h), 1), h)
 
 
-
 def _distances(h):
     """`cdist` where eager takes its fused kernel, whose backward has no translation
     (`lowerings.distances`): few rows (a prototypical network's episode), p other than 2, the
@@ -171,6 +170,7 @@ def _distances(h):
     return _cat(torch.cdist(rows, rows), torch.cdist(rows, other, p=1.0),
                 torch.cdist(rows, other, p=3.0), torch.cdist(rows, other, p=1.5),
                 torch.cdist(rows, other, compute_mode="donot_use_mm_for_euclid_dist"))
+
 
 OPS = {
     "ranked": _ranked,
