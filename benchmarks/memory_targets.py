@@ -11,6 +11,10 @@ measures the targets' figures (about an hour; `--no-batches`: the peaks alone, 2
   steps). Each lazygrad config runs twice on one disk cache: "cold" (empty: the build, trace,
   export and check, runs in the process, beside eager steps) and "warm" (a second process of the
   same training: its graphs come from the disk index, so no build runs in it).
+  `--repeats N` runs eager and each warm config N times, interleaved, in fresh processes, and
+  reports the median with the range: one configuration's peak moves by up to 50 MiB from one
+  process to the next (glibc's heap: which freed blocks a later allocation fits in), so a single
+  process cannot tell 0.84x from 0.88x. The cold run, which fills the cache, stays one process.
 - Largest batch within eager's batch-16 peak (keep loop), bisected, every probe a fresh process
   whose whole-process peak is compared with that budget: eager, lazygrad's default policy (with
   and without `recompute_layers`) and `policy="all"` (ORTModule's pessimistic stash). Lazygrad's
@@ -28,6 +32,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import tempfile
 
 from benchmarks import memory
@@ -64,7 +69,7 @@ def batch_rows(peaks: dict) -> list[str]:
              "| --- | --- | ---: | ---: | ---: | --- |"]
     for workload in ("A", "B"):
         batch = memory.WORKLOADS[workload].batch
-        budget = peaks[(workload, "keep")]["eager"]
+        budget = statistics.median(peaks[(workload, "keep")]["eager"])
         searches = {}
         for config in SEARCHED:
             cache = None
@@ -87,38 +92,59 @@ TITLE = ("# Issue 10's targets: whole-process peak, cold and warm disk cache, an
          "batch")
 
 
+def measure_peaks(workload: str, loop: str, repeats: int) -> dict[str, list[float]]:
+    """Each config's peaks in fresh processes: eager's and the warm ones `repeats` times,
+    interleaved so that a change of the machine's state between them touches every config."""
+    batch = memory.WORKLOADS[workload].batch
+    found: dict[str, list[float]] = {}
+    caches = {}
+    for name, config in LAZY.items():
+        caches[name] = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
+        found[f"{name}cold"] = [peak(workload, config, batch, loop, caches[name]).peak_mib]
+    for _ in range(repeats):
+        found.setdefault("eager", []).append(peak(workload, "eager", batch, loop).peak_mib)
+        for name, config in LAZY.items():
+            run = peak(workload, config, batch, loop, caches[name])
+            found.setdefault(f"{name}warm", []).append(run.peak_mib)
+            found.setdefault(f"{name}warm first ORT step", []).append(run.first_served)
+    return found
+
+
+def peak_cell(peaks: list[float], eager: list[float]) -> str:
+    """The median peak (x eager's median), with the range where more than one process ran."""
+    median = statistics.median(peaks)
+    spread = f"; {min(peaks):.0f}-{max(peaks):.0f}" if len(peaks) > 1 else ""
+    return f"{median:.0f} ({median / statistics.median(eager):.2f}x{spread})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
     parser.add_argument("--no-batches", action="store_true", help="the peaks alone (25 min)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes for eager and each warm config (median reported)")
     args = parser.parse_args(argv)
     peaks = {}
     for workload in ("A", "B"):
-        batch = memory.WORKLOADS[workload].batch
         for loop in ("keep", "del"):
-            found = {"eager": peak(workload, "eager", batch, loop).peak_mib}
-            for name, config in LAZY.items():
-                cache = tempfile.mkdtemp(prefix="lazygrad-memory-targets-")
-                for kind in ("cold", "warm"):
-                    run = peak(workload, config, batch, loop, cache)
-                    found[f"{name}{kind}"] = run.peak_mib
-                    found[f"{name}{kind} first ORT step"] = run.first_served
-            peaks[(workload, loop)] = found
+            peaks[(workload, loop)] = found = measure_peaks(workload, loop, args.repeats)
             print(json.dumps({"workload": workload, "loop": loop, **found}), flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    processes = (f"median of {args.repeats} fresh processes each (range after the ratio; the "
+                 "cold run one process)" if args.repeats > 1 else "one process each")
     lines = [
         f"## {stamp} (`python -m benchmarks.memory_targets`)",
         "",
-        f"Load average {os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager); default policy, "
-        "and with `recompute_layers=True`.",
+        f"Load average {os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager), {processes}; "
+        "default policy, and with `recompute_layers=True`.",
         "",
         "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache "
         "| recompute_layers, cold | recompute_layers, warm |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (workload, loop), found in peaks.items():
-        eager = found["eager"]
-        cells = [f"{found[f'{name}{kind}']:.0f} ({found[f'{name}{kind}'] / eager:.2f}x)"
+        cells = [peak_cell(found[f"{name}{kind}"], found["eager"])
                  for name in LAZY for kind in ("cold", "warm")]
+        eager = statistics.median(found["eager"])
         lines.append(f"| {workload} | {loop} | {eager:.0f} | " + " | ".join(cells) + " |")
     if not args.no_batches:
         lines += ["", "Largest batch within eager's batch-16 peak (keep loop; lazygrad warm):", "",

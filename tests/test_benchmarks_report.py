@@ -145,3 +145,10 @@ def test_faults_table_pairs_each_peer_with_eager_of_its_round() -> None:
     # per round 0.5 and 1.0: their median, not the ratio of medians (250 / 300)
     assert "| default | lazygrad, cold cache | 250.0 | 0.750 | 20 | 3 |" in lines
     assert "| default | lazygrad, warm cache | 350.0 | 1.250 | 20000 | 8000 |" in lines
+
+
+def test_memory_targets_report_the_median_of_repeated_processes_with_their_range() -> None:
+    from benchmarks.memory_targets import peak_cell
+
+    assert peak_cell([900.0, 1000.0, 850.0], [1000.0, 1100.0, 1050.0]) == "900 (0.86x; 850-1000)"
+    assert peak_cell([900.0], [1000.0]) == "900 (0.90x)"
