@@ -117,6 +117,12 @@ def peak_cell(peaks: list[float], eager: list[float]) -> str:
     return f"{median:.0f} ({median / statistics.median(eager):.2f}x{spread})"
 
 
+def eager_cell(peaks: list[float]) -> str:
+    """Eager's median peak, with the range where more than one process ran."""
+    spread = f" ({min(peaks):.0f}-{max(peaks):.0f})" if len(peaks) > 1 else ""
+    return f"{statistics.median(peaks):.0f}{spread}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_targets")
     parser.add_argument("--no-batches", action="store_true", help="the peaks alone (25 min)")
@@ -144,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     for (workload, loop), found in peaks.items():
         cells = [peak_cell(found[f"{name}{kind}"], found["eager"])
                  for name in LAZY for kind in ("cold", "warm")]
-        eager = statistics.median(found["eager"])
-        lines.append(f"| {workload} | {loop} | {eager:.0f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {workload} | {loop} | {eager_cell(found['eager'])} | "
+                     + " | ".join(cells) + " |")
     if not args.no_batches:
         lines += ["", "Largest batch within eager's batch-16 peak (keep loop; lazygrad warm):", "",
                   *batch_rows(peaks)]

@@ -148,7 +148,9 @@ def test_faults_table_pairs_each_peer_with_eager_of_its_round() -> None:
 
 
 def test_memory_targets_report_the_median_of_repeated_processes_with_their_range() -> None:
-    from benchmarks.memory_targets import peak_cell
+    from benchmarks.memory_targets import eager_cell, peak_cell
 
     assert peak_cell([900.0, 1000.0, 850.0], [1000.0, 1100.0, 1050.0]) == "900 (0.86x; 850-1000)"
     assert peak_cell([900.0], [1000.0]) == "900 (0.90x)"
+    assert eager_cell([1000.0, 1100.0, 1050.0]) == "1050 (1000-1100)"
+    assert eager_cell([1000.0]) == "1000"
