@@ -1060,8 +1060,12 @@ class Runtime:
         `create_graph` (a backward that is differentiable itself: a gradient penalty, MAML):
         the forward is run again from the primals themselves, not detached copies, so the
         gradients' own graph reaches the parameters and inputs, as eager's does."""
+        # Every output in the mask: the roots are a training call's, as the pair's whose
+        # cotangents these are (no mask would make them an inference call's, where an output
+        # that alone views its root, as a Linear's of a 3-D input, is its own root).
+        every_output = [True] * len(entry.aliasing.sources)
         forward = Functional(self.module, self._forward_and_writes, entry.state_names,
-                             entry.call.rebuild, tensors_of, None)
+                             entry.call.rebuild, tensors_of, every_output)
         inputs = list(primals) if create_graph else [
             p.detach().requires_grad_(p.requires_grad) for p in primals]
         wanted = [i for i, p in enumerate(inputs) if p.requires_grad]

@@ -268,6 +268,56 @@ def test_a_new_mask_at_backward_is_served_eagerly_with_the_steps_draws_while_it_
     assert stats.builds == 2 and stats.eager_steps == 3 and stats.fallbacks == 0
 
 
+class LinearHeads(torch.nn.Module):
+    """Two Linear heads of a 3-D input: each output is a view of its product (eager's Linear
+    multiplies the flattened rows and views the result back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 4),
+                                          torch.nn.Linear(16, 2))
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h), self.aux(h)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("backward", ["a new mask while it builds", "create_graph"])
+def test_an_eager_backward_after_an_ort_forward_takes_the_cotangents_of_views(
+        monkeypatch, backward):
+    """A backward served in eager PyTorch after the forward ran in ORT (a mask first seen at
+    backward, or a gradient penalty) got the cotangents of the graph's results, of which the
+    outputs are views ([6, 4] for a [2, 3, 4] output), but took the roots as an inference call
+    does, where an output that alone views its root is its own: autograd refused the shapes
+    (a helper's sweep). They are a training call's roots now."""
+    lazy, eager = _pair(LinearHeads())
+    x = torch.randn(2, 3, 8)
+    _step(lazy, eager, x, lambda o: o[0].sum(), "first step")
+    lazygrad.wait_for_builds(lazy)
+    if backward == "create_graph":
+        results = []
+        for model in (lazy, eager):
+            model.zero_grad(set_to_none=True)
+            out, _ = model(x)
+            first = torch.autograd.grad(out.square().mean(), list(model.head.parameters()),
+                                        create_graph=True)
+            sum(g.square().sum() for g in first).backward()
+            results.append((out, first))
+        assert ran_through_ort(results[0][0])
+        for index, (got, want) in enumerate(zip(results[0][1], results[1][1])):
+            assert_close(got.detach(), want.detach(), f"gradient {index}")
+        assert_grads_equal(lazy, eager, "second-order gradients")
+    else:
+        gate = Gate(monkeypatch)
+        out = _step(lazy, eager, x, lambda o: o[0].sum() + o[1].square().sum(),
+                    "new mask while building")
+        assert ran_through_ort(out)
+        gate.open()
+    stats = lazygrad.stats(lazy)
+    assert stats.eager_steps == 2 and stats.fallbacks == 0
+
+
 class Pair(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

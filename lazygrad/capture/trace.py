@@ -653,7 +653,7 @@ class Functional:
 
     `forward(module, *args, **kwargs)` is the module's original forward; `sized_of` finds the
     numbers of a result that are sizes. A root that no output in `mask` is made from is
-    detached; `mask` None: no root is (an inference trace, or eager's backward).
+    detached; `mask` None: an inference trace (no root is).
 
     `own_roots`: the outputs that eager made as tensors of their own. The trace may make such
     an output a view of an intermediate where eager does not: the decomposition of a batched
