@@ -447,9 +447,12 @@ class Runtime:
         except GraphRunError as error:
             return self._fall_back(signature, call, args, kwargs, str(error))
         except ChecksFailed as failed:  # eager raises the check's error, or reads the other value
+            # Eager first: a call it refuses (a target out of range) was bad input, its error
+            # the caller's, and no sign that the graph's checks fail on the data it trains on.
+            result = self._eager_or_explain(args, kwargs, call)
             self._missed_check(signature, found.stats.hits,
                                f" (the last in ORT: {failed})" if str(failed) else "")
-            return self._eager(args, kwargs)
+            return result
         return self._outputs(pair, entry, roots, primals, env)
 
     def _outputs(self, pair: GraphPair, entry: SignatureEntry, roots: Any,

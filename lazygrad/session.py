@@ -55,6 +55,29 @@ class GraphRunError(RuntimeError):
     """ORT cannot load or run a graph on these inputs (no kernel for a dtype, a shape mismatch)."""
 
 
+# ORT's error from a node: "... while running GatherElements node. Name:'node_gather' Status
+# Message: /onnxruntime_src/.../gather_elements.cc:150 void onnxruntime::core_impl(const
+# Tensor*, ...) [with Tin = long int] GatherElements op: Out of range value in index tensor".
+_NODE_ERROR = re.compile(
+    r"running (?P<op>\w+) node\. Name:'(?P<name>[^']*)' Status Message: (?P<message>.*)", re.S)
+_SOURCE_LINE = re.compile(r"\S+:\d+ ")
+_CPP_SIGNATURE = re.compile(r"[^()]*\(.*?\)(?: const)?(?: \[with [^\]]*\])? ")
+
+
+def ort_message(error: Exception) -> str:
+    """ORT's error as a user reads it in a warning or a reason: the node that failed and what
+    it said, without the C++ source line and function signature that ORT puts before it."""
+    text = str(error).strip()
+    found = _NODE_ERROR.search(text)
+    if found is None:
+        return text
+    message = found["message"].strip()
+    located = _SOURCE_LINE.match(message)
+    if located:
+        message = _CPP_SIGNATURE.sub("", message[located.end():], count=1)
+    return f"ORT's {found['op']} node '{found['name']}' failed: {message}"
+
+
 def cuda_provider_available() -> bool:
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
@@ -256,7 +279,7 @@ class _Binding:
             try:
                 self._run(io, None)
             except Exception as error:  # ORT's own exception types, re-raised with the graph named
-                raise GraphRunError(str(error)) from error
+                raise GraphRunError(ort_message(error)) from error
             if self._cuda:
                 io.synchronize_outputs()
             clock.add_ort(time.perf_counter() - started)

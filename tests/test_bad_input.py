@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal
+from conftest import assert_close, assert_grads_equal, ran_through_ort
 
 import lazygrad
+import lazygrad.runtime as runtime
 
 
 class Tagger(torch.nn.Module):
@@ -330,3 +331,54 @@ def test_an_index_out_of_its_range_raises_eagers_error_through_ort(name, bad):
     for (parameter, p), q in zip(lazy.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad of {parameter} after the error")
     assert lazygrad.stats(lazy).hits == 2
+
+
+def test_calls_that_eager_refuses_leave_the_graph_serving_the_calls_after_them():
+    """A call whose graph's checks fail runs again in eager PyTorch, and where such calls are
+    not rare the signature gives up its graph. A call that eager refuses too (bad data: a label
+    out of range, a few corrupt batches a loop catches and skips) counted as one: the model
+    ran in parts for good after four (a helper's sweep). It raises eager's error, and counts
+    for nothing."""
+    torch.manual_seed(0)
+    eager = Indexed()
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    lazy(**INDEX_INPUTS).backward()
+    bad = {**INDEX_INPUTS, "labels": torch.tensor([0, 4, 1])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lazygrad.GraphBreakWarning)
+        for _ in range(2 * runtime.CHECK_MISSES):
+            with pytest.raises(IndexError):
+                lazy(**bad)
+        lazygrad.reset_stats(lazy)
+        for _ in range(2):
+            for model in (lazy, eager):
+                model.zero_grad(set_to_none=True)
+            got, want = lazy(**INDEX_INPUTS), eager(**INDEX_INPUTS)
+            assert ran_through_ort((got,))
+            assert_close(got.detach(), want.detach(), "the loss after the errors")
+            got.backward()
+            want.backward()
+            assert_grads_equal(lazy, eager, "after the errors")
+    stats = lazygrad.stats(lazy)
+    assert stats.hits == 2 and stats.eager_steps == 0 and stats.breaks == 0
+
+
+def test_orts_errors_name_the_node_and_its_message_without_cpp_source():
+    """A reason or warning quoting ORT's error showed its C++ source line and function
+    signature (a helper's sweep): the node and what it said are what a user can act on."""
+    from lazygrad.session import ort_message
+
+    raw = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running "
+           "GatherElements node. Name:'node_gather' Status Message: /onnxruntime_src/"
+           "onnxruntime/core/providers/cpu/tensor/gather_elements.cc:150 void "
+           "onnxruntime::core_impl(const Tensor*, Tensor*, int64_t) [with Tin = long int] "
+           "GatherElements op: Out of range value in index tensor\n")
+    assert ort_message(RuntimeError(raw)) == (
+        "ORT's GatherElements node 'node_gather' failed: GatherElements op: Out of range value "
+        "in index tensor")
+    plain = ("Non-zero status code returned while running Reshape node. Name:'r' Status "
+             "Message: The input tensor cannot be reshaped (2, 3) to (4)")
+    assert ort_message(RuntimeError(plain)) == (
+        "ORT's Reshape node 'r' failed: The input tensor cannot be reshaped (2, 3) to (4)")
+    other = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x"
+    assert ort_message(RuntimeError(other)) == other
