@@ -24,6 +24,7 @@ from lazygrad.capture import (
     Graphs,
     apply_views,
     reshaped_outputs,
+    scattered_outputs,
     symbols,
     zero_where,
 )
@@ -68,8 +69,13 @@ class GraphPair:
         # by position among the backward's outputs.
         backward = graphs.backward
         peeled = reshaped_outputs.unreshaped(backward) if backward is not None else set()
-        outputs = backward.graph.output if backward is not None else ()
-        self._unreshaped = {at for at, value in enumerate(outputs) if value.name in peeled}
+        outputs = [value.name for value in backward.graph.output] if backward is not None else []
+        self._unreshaped = {at for at, name in enumerate(outputs) if name in peeled}
+        # And those it returns as additions, by position: (their indices' position, the axis,
+        # the gradient's shape), added into the gradient here (capture/scattered_outputs.py).
+        added = scattered_outputs.scattered(backward) if backward is not None else {}
+        self._scattered = {at: (outputs.index(added[name][0]), *added[name][1:])
+                           for at, name in enumerate(outputs) if name in added}
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -216,7 +222,10 @@ class GraphPair:
             outputs = self.session("backward", device).run(inputs)
         grads: list[torch.Tensor | None] = [None] * len(primals)
         for position, (index, grad) in enumerate(zip(self.graphs.grads_for, outputs)):
-            if position in self._unreshaped:  # returned before its Reshape: viewed here
+            if position in self._scattered:  # returned as its additions: added here
+                indices, axis, shape = self._scattered[position]
+                grad = grad.new_zeros(shape).scatter_add_(axis, outputs[indices], grad)
+            elif position in self._unreshaped:  # returned before its Reshape: viewed here
                 grad = grad.view(primals[index].shape)
             grads[index] = grad
         return grads

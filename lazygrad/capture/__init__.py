@@ -46,6 +46,7 @@ from lazygrad.capture import (
     peephole,
     python_random,
     reshaped_outputs,
+    scattered_outputs,
     segment,
     stacked_products,
     symbols,
@@ -290,6 +291,8 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
         backward = to_onnx.to_onnx(tidied.backward) if tidied.backward is not None else None
         if backward is not None:
             backward = node_order.inline_functions(backward)
+            backward = scattered_outputs.added_in_torch(
+                backward, reshaped_outputs.final_outputs(backward))
     except Exception as error:
         where = _submodule_translating(error, tidied)
         if where is None:  # an op with no translation that the error names
@@ -316,7 +319,9 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
     # After the cut: onnx's shape inference knows no contrib op.
     forward = identity_outputs.made_by_their_source(gelu.fuse_erf_gelu(forward))
     if backward is not None:
-        final = reshaped_outputs.final_outputs(backward)
+        # An output returned as its additions (scattered_outputs) is not a gradient to view.
+        final = reshaped_outputs.final_outputs(backward) - set(
+            scattered_outputs.scattered(backward))
         backward, *cut = (
             identity_outputs.made_by_their_source(reshaped_outputs.unreshaped_outputs(
                 gelu.fuse_erf_gelu(stacked_products.made_transposed(

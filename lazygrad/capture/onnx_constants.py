@@ -28,9 +28,8 @@ class Scalar:
     rank: int  # 0, or the dimensions of size 1 a broadcast against it adds
 
 
-def scalar_constants(graph: onnx.GraphProto) -> dict[str, Scalar]:
-    """Value name -> the one-element tensor it holds, for the graph's initializers, Constant
-    nodes, and Casts of those."""
+def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Value name -> the tensor it holds, for the graph's initializers and Constant nodes."""
     tensors = {t.name: t for t in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
@@ -41,6 +40,13 @@ def scalar_constants(graph: onnx.GraphProto) -> dict[str, Scalar]:
                     "", _NUMBERS[number.name], [], [onnx.helper.get_attribute_value(number)])
             if value is not None:
                 tensors[node.output[0]] = value
+    return tensors
+
+
+def scalar_constants(graph: onnx.GraphProto) -> dict[str, Scalar]:
+    """Value name -> the one-element tensor it holds, for the graph's initializers, Constant
+    nodes, and Casts of those."""
+    tensors = constant_tensors(graph)
     found = {
         name: Scalar(float(onnx.numpy_helper.to_array(tensor).reshape(())), tensor.data_type,
                      len(tensor.dims))
