@@ -71,11 +71,15 @@ class GraphPair:
         peeled = reshaped_outputs.unreshaped(backward) if backward is not None else set()
         outputs = [value.name for value in backward.graph.output] if backward is not None else []
         self._unreshaped = {at for at, name in enumerate(outputs) if name in peeled}
-        # And those it returns as additions, by position: (their indices' position, the axis,
-        # the gradient's shape), added into the gradient here (capture/scattered_outputs.py).
-        added = scattered_outputs.scattered(backward) if backward is not None else {}
-        self._scattered = {at: (outputs.index(added[name][0]), *added[name][1:])
-                           for at, name in enumerate(outputs) if name in added}
+        # And those whose additions it returns, by position: (the indices' position, the axis,
+        # the gradient's shape, the additions' position; None: the output is the additions, to
+        # add into zeros), added here (capture/scattered_outputs.py).
+        scattered = scattered_outputs.scattered(backward) if backward is not None else {}
+        self._scattered = {
+            at: (outputs.index(indices), axis, shape,
+                 None if added is None else outputs.index(added))
+            for at, name in enumerate(outputs) if name in scattered
+            for indices, axis, shape, added in [scattered[name]]}
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -222,9 +226,12 @@ class GraphPair:
             outputs = self.session("backward", device).run(inputs)
         grads: list[torch.Tensor | None] = [None] * len(primals)
         for position, (index, grad) in enumerate(zip(self.graphs.grads_for, outputs)):
-            if position in self._scattered:  # returned as its additions: added here
-                indices, axis, shape = self._scattered[position]
-                grad = grad.new_zeros(shape).scatter_add_(axis, outputs[indices], grad)
+            if position in self._scattered:  # its additions returned: added here
+                indices, axis, shape, added = self._scattered[position]
+                if added is None:
+                    grad = grad.new_zeros(shape).scatter_add_(axis, outputs[indices], grad)
+                else:
+                    grad.scatter_add_(axis, outputs[indices], outputs[added])
             elif position in self._unreshaped:  # returned before its Reshape: viewed here
                 grad = grad.view(primals[index].shape)
             grads[index] = grad

@@ -9,12 +9,19 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import assert_close, assert_grads_equal, ran_through_ort, run_onnx_as_written
+from conftest import (
+    assert_close,
+    assert_grads_equal,
+    assert_loss_step_like_eager,
+    ran_through_ort,
+    run_onnx_as_written,
+)
 from onnx import TensorProto, helper
 
 import lazygrad
 from lazygrad import attach
 from lazygrad.capture import scattered_outputs, segment
+from lazygrad.examples.models import BertConfig, BertPretraining, bert_batch
 
 
 def _rows(zero: float) -> onnx.ModelProto:
@@ -52,7 +59,7 @@ def test_the_gradient_is_its_additions_scattered_into_zeros_in_torch():
     ops = {node.op_type for node in rewritten.graph.node}
     assert not ops & {"ScatterElements", "ConstantOfShape", "CastLike"}
     found = scattered_outputs.scattered(rewritten)
-    assert found == {"grad": ("index", 0, [6, 3])}
+    assert found == {"grad": ("index", 0, [6, 3], None)}
     names = [value.name for value in rewritten.graph.output]
     assert names == ["grad", "out", "index"]
     added, got_out, index = run_onnx_as_written(rewritten, feeds)
@@ -60,6 +67,40 @@ def test_the_gradient_is_its_additions_scattered_into_zeros_in_torch():
     scattered = torch.zeros(6, 3).scatter_add_(0, torch.from_numpy(index),
                                                torch.from_numpy(added))
     np.testing.assert_array_equal(scattered.numpy(), grad)
+
+
+def _tied() -> onnx.ModelProto:
+    """grad = product + the scatter of `_rows`: a tied weight's gradient."""
+    model = _rows(0.0)
+    graph = model.graph
+    (scatter,) = [node for node in graph.node if node.op_type == "ScatterElements"]
+    scatter.output[0] = "rows"
+    graph.node.extend([helper.make_node("MatMul", ["w", "h"], ["product"]),
+                       helper.make_node("Add", ["product", "rows"], ["grad"])])
+    graph.input.extend([helper.make_tensor_value_info("w", TensorProto.FLOAT, [6, 4]),
+                        helper.make_tensor_value_info("h", TensorProto.FLOAT, [4, 3])])
+    graph.value_info.append(helper.make_tensor_value_info("product", TensorProto.FLOAT, [6, 3]))
+    return model
+
+
+def test_a_tied_weights_gradient_is_the_other_gradient_added_into_in_torch():
+    rng = np.random.default_rng(1)
+    feeds = {"g": rng.standard_normal([5, 3], dtype=np.float32),
+             "ids": np.array([[1], [4], [1], [0], [4]]), "wide": np.array([5, 3]),
+             "w": rng.standard_normal([6, 4], dtype=np.float32),
+             "h": rng.standard_normal([4, 3], dtype=np.float32)}
+    model = _tied()
+    grad, out = run_onnx_as_written(model, feeds)
+    rewritten = scattered_outputs.added_in_torch(model, {"grad", "out"})
+    ops = [node.op_type for node in rewritten.graph.node]
+    assert "ScatterElements" not in ops and "Add" not in ops and "ConstantOfShape" not in ops
+    assert scattered_outputs.scattered(rewritten) == {"grad": ("index", 0, [6, 3], "added")}
+    assert [value.name for value in rewritten.graph.output] == ["grad", "out", "index", "added"]
+    product, got_out, index, added = run_onnx_as_written(rewritten, feeds)
+    np.testing.assert_array_equal(got_out, out)
+    summed = torch.from_numpy(product).scatter_add_(0, torch.from_numpy(index),
+                                                    torch.from_numpy(added))
+    np.testing.assert_allclose(summed.numpy(), grad, rtol=1e-6, atol=1e-6)
 
 
 def test_a_scatter_into_what_is_not_zeros_stays():
@@ -109,3 +150,19 @@ def test_an_embeddings_gradient_added_in_torch_trains_like_eager_for_every_mask(
         scattered_outputs.scattered(pair.graphs.backward) for pair in pairs)
     assert all(len(pair.graphs.backward_segments) > 1 for pair in pairs) == (segments > 1)
     assert lazygrad.stats(lazy).fallbacks == 0
+
+
+def test_a_tied_embeddings_gradient_added_in_torch_trains_like_eager():
+    """BertPretraining's word embedding is its output layer's weight: trained through the
+    language-model loss, its gradient is the two gradients' sum, added into in torch."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab=200, hidden=32, layers=1, heads=4)
+    eager = BertPretraining(config)
+    lazy = lazygrad.lazy(copy.deepcopy(eager))
+    inputs = bert_batch(config, batch=2, seq=12)
+    for step in range(4):
+        assert_loss_step_like_eager(lazy, eager, inputs, f"step {step}")
+    (entry,) = [e for e in attach.installed(lazy)._pairs.values() if e.pair.graphs.backward]
+    found = scattered_outputs.scattered(entry.pair.graphs.backward)
+    assert sorted(added is not None for *_, added in found.values()) == [False, True]
+    assert lazygrad.stats(lazy).fallbacks == 0 and lazygrad.stats(lazy).hits >= 2

@@ -319,9 +319,9 @@ def export(captured: Captured, segments: int = 1) -> Graphs:
     # After the cut: onnx's shape inference knows no contrib op.
     forward = identity_outputs.made_by_their_source(gelu.fuse_erf_gelu(forward))
     if backward is not None:
-        # An output returned as its additions (scattered_outputs) is not a gradient to view.
-        final = reshaped_outputs.final_outputs(backward) - set(
-            scattered_outputs.scattered(backward))
+        # Outputs whose additions torch makes (scattered_outputs) are not gradients to view.
+        final = reshaped_outputs.final_outputs(backward) - scattered_outputs.outputs_involved(
+            backward)
         backward, *cut = (
             identity_outputs.made_by_their_source(reshaped_outputs.unreshaped_outputs(
                 gelu.fuse_erf_gelu(stacked_products.made_transposed(

@@ -9,8 +9,10 @@ are two buffers of the weight's size at once, where eager adds into one
 256 vocabulary, 147 MiB on GPT-2's (50,257 x 768). The graph returns the additions and the
 indices instead, and `GraphPair.backward` makes the gradient as
 `zeros(shape).scatter_add_(axis, indices, added)`: the same sums (the order of additions into one
-row aside), in one buffer. The outputs so returned, and how to scatter each, are in the model's
-metadata.
+row aside), in one buffer. A tied weight's gradient (BERT's and GPT-2's word embeddings are their
+output layers' weights) is the scatter's sum with the output layer's gradient, one more buffer
+in ORT: the graph returns that gradient, the additions and the indices, and torch adds into it in
+place. The outputs so returned, and how to add into each, are in the model's metadata.
 """
 
 from __future__ import annotations
@@ -26,50 +28,98 @@ from lazygrad.capture.node_order import attribute, is_standard, node_inputs
 from lazygrad.capture.onnx_constants import constant_tensors
 from lazygrad.capture.reshaped_outputs import outputs_made_by_sources
 
-# The model's metadata key: JSON, output name -> [its indices' output name, axis, shape].
+# The model's metadata key: JSON, output name -> [its indices' output name, axis, the
+# gradient's shape, its additions' output name or null] (`scattered`).
 SCATTERED_OUTPUTS = "lazygrad.scattered_outputs"
 
 
 def added_in_torch(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
     """`model` (changed in place) where each output named in `final` that a ScatterElements
-    adding into zeros of a constant shape makes, from additions nothing else reads, is made by
-    the additions' producer instead (its shape left unknown), the zeros are not made, and the
-    indices are an output too. `final`: the whole backward's outputs that no node reads."""
+    adding into zeros of a constant shape makes is made by the additions' producer instead (its
+    shape left unknown), or, where it is such a scatter plus a tensor of the zeros' shape (a
+    tied weight's gradient: the embedding's and the output layer's), by that tensor's producer,
+    the additions an output of their own; the zeros, the scatter and the sum are not made, and
+    the indices are an output too. Each value renamed or dropped is read by nothing else.
+    `final`: the whole backward's outputs that no node reads."""
     graph = model.graph
     readers = collections.Counter(name for node in graph.node for name in node_inputs(node))
     made_by = {output: node for node in graph.node for output in node.output}
     outputs = {value.name for value in graph.output}
     constants = constant_tensors(graph)
-    renamed: dict[str, str] = {}  # the additions -> the output they become
+    shapes = {value.name: _static_shape(value) for value in graph.value_info}
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in (*graph.input, *graph.value_info) if value.type.tensor_type.elem_type}
+
+    def only_read_once(name: str) -> bool:
+        return name in made_by and readers[name] == 1 and name not in outputs
+
+    renamed: dict[str, str] = {}  # a value -> the output it becomes
     dropped: set[int] = set()
     found: dict[str, list] = {}
+    extra: dict[str, int] = {}  # values that become outputs of their own -> element type
     for value in graph.output:
         node = made_by.get(value.name)
-        if value.name not in final or not is_standard(node, "ScatterElements") \
-                or attribute(node, "reduction") != b"add":
+        if value.name not in final or node is None:
             continue
-        data, indices, added = node.input
-        zeros = _zeros(data, made_by, readers, constants)
-        if zeros is None or added not in made_by or readers[added] != 1 or added in outputs:
+        into_zeros = _into_zeros(node, made_by, readers, constants)
+        if into_zeros is not None:
+            scatter, shape, chain = into_zeros
+            data, indices, added = scatter.input
+            if only_read_once(added):
+                renamed[added] = value.name
+                dropped.update(map(id, chain))
+                found[value.name] = [indices, attribute(scatter, "axis", 0), shape, None]
+                extra[indices] = types.get(indices, onnx.TensorProto.INT64)
             continue
-        shape, chain = zeros
-        renamed[added] = value.name
-        dropped.update({id(node), *map(id, chain)})
-        found[value.name] = [indices, attribute(node, "axis", 0), shape]
+        if not is_standard(node, "Add"):
+            continue
+        for summand, base in (node.input, reversed(node.input)):
+            into_zeros = _into_zeros(made_by.get(summand), made_by, readers, constants)
+            if into_zeros is None or readers[summand] != 1 or not only_read_once(base):
+                continue
+            scatter, shape, chain = into_zeros
+            data, indices, added = scatter.input
+            if shapes.get(base) != shape or added not in made_by:
+                continue
+            renamed[base] = value.name
+            dropped.update({id(node), *map(id, chain)})
+            found[value.name] = [indices, attribute(scatter, "axis", 0), shape, added]
+            extra[indices] = types.get(indices, onnx.TensorProto.INT64)
+            extra[added] = value.type.tensor_type.elem_type  # the scatter's, the sum's
+            break
     if not found:
         return model
     outputs_made_by_sources(graph, renamed, dropped)
     for value in graph.output:
-        if value.name in found:
+        if value.name in found and found[value.name][3] is None:
             value.type.tensor_type.ClearField("shape")
-    types = {value.name: value.type.tensor_type.elem_type
-             for value in (*graph.input, *graph.value_info)}
-    for indices in dict.fromkeys(entry[0] for entry in found.values()):
-        if indices not in outputs:
-            graph.output.append(onnx.helper.make_tensor_value_info(
-                indices, types.get(indices) or onnx.TensorProto.INT64, None))
+    for name, elem_type in extra.items():
+        if name not in outputs:
+            graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
     model.metadata_props.add(key=SCATTERED_OUTPUTS, value=json.dumps(found, sort_keys=True))
     return model
+
+
+def _into_zeros(node: onnx.NodeProto | None, made_by: dict, readers: collections.Counter,
+                constants: dict[str, onnx.TensorProto]
+                ) -> tuple[onnx.NodeProto, list[int], list[onnx.NodeProto]] | None:
+    """(the scatter, the zeros' shape, the nodes that make them and it) where `node` is a
+    ScatterElements adding into zeros of a constant shape; else None."""
+    if not is_standard(node, "ScatterElements") or attribute(node, "reduction") != b"add":
+        return None
+    zeros = _zeros(node.input[0], made_by, readers, constants)
+    if zeros is None:
+        return None
+    shape, chain = zeros
+    return node, shape, [node, *chain]
+
+
+def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
+    dims = value.type.tensor_type.shape.dim
+    if not value.type.tensor_type.HasField("shape") or not all(d.HasField("dim_value")
+                                                               for d in dims):
+        return None
+    return [d.dim_value for d in dims]
 
 
 def _zeros(name: str, made_by: dict, readers: collections.Counter,
@@ -91,12 +141,19 @@ def _zeros(name: str, made_by: dict, readers: collections.Counter,
     return onnx.numpy_helper.to_array(constants[node.input[0]]).tolist(), [*chain, node]
 
 
-def scattered(model: onnx.ModelProto) -> dict[str, tuple[str, int, list[int]]]:
-    """The outputs of `model` that `added_in_torch` returns as additions: name -> (the indices'
-    output name, axis, the gradient's shape)."""
+def scattered(model: onnx.ModelProto) -> dict[str, tuple[str, int, list[int], str | None]]:
+    """The outputs of `model` that `added_in_torch` changed: name -> (the indices' output name,
+    axis, the gradient's shape, the additions' output name; None where the output is the
+    additions, to add into zeros)."""
     found = {}
     for entry in model.metadata_props:
         if entry.key == SCATTERED_OUTPUTS:
-            found.update({name: (indices, axis, shape)
-                          for name, (indices, axis, shape) in json.loads(entry.value).items()})
+            found.update({name: tuple(how) for name, how in json.loads(entry.value).items()})
     return found
+
+
+def outputs_involved(model: onnx.ModelProto) -> set[str]:
+    """Every output `added_in_torch` changed or added (the gradients, their indices and
+    additions): later rewrites leave their shapes alone, as torch adds them as they are."""
+    return {name for output, (indices, _, _, added) in scattered(model).items()
+            for name in (output, indices, added) if name is not None}
