@@ -1,5 +1,5 @@
-"""The scalar constants of an exported ONNX graph, for the rewrites that look for one (gelu.py,
-zero_where.py).
+"""The constants of an exported ONNX graph, for the rewrites that look for one (gelu.py,
+zero_where.py: scalars; scattered_outputs.py: a shape).
 
 The exporter writes a scalar as an initializer, a Constant node (of a tensor, or of a number:
 `value_int`, `value_float`, as lazygrad's own translations write some), or a Cast of either
