@@ -64,7 +64,7 @@ def added_in_torch(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
         into_zeros = _into_zeros(node, made_by, readers, constants)
         if into_zeros is not None:
             scatter, shape, chain = into_zeros
-            data, indices, added = scatter.input
+            _, indices, added = scatter.input
             if only_read_once(added):
                 renamed[added] = value.name
                 dropped.update(map(id, chain))
@@ -78,7 +78,7 @@ def added_in_torch(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
             if into_zeros is None or readers[summand] != 1 or not only_read_once(base):
                 continue
             scatter, shape, chain = into_zeros
-            data, indices, added = scatter.input
+            _, indices, added = scatter.input
             if shapes.get(base) != shape or added not in made_by:
                 continue
             renamed[base] = value.name
