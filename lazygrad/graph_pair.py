@@ -75,11 +75,11 @@ class GraphPair:
         # the gradient's shape, the additions' position; None: the output is the additions, to
         # add into zeros), added here (capture/scattered_outputs.py).
         scattered = scattered_outputs.scattered(backward) if backward is not None else {}
-        self._scattered = {
-            at: (outputs.index(indices), axis, shape,
-                 None if added is None else outputs.index(added))
-            for at, name in enumerate(outputs) if name in scattered
-            for indices, axis, shape, added in [scattered[name]]}
+        self._scattered = {}
+        for name, (indices, axis, shape, added) in scattered.items():
+            self._scattered[outputs.index(name)] = (
+                outputs.index(indices), axis, shape,
+                None if added is None else outputs.index(added))
 
     # ---- sizes -------------------------------------------------------------------------------
 

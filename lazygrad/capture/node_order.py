@@ -39,6 +39,16 @@ def attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
     return onnx.helper.get_attribute_value(found[0]) if found else default
 
 
+def static_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    """The value's shape where every size is a number; else None."""
+    if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+        return None
+    dims = value.type.tensor_type.shape.dim
+    if any(not dim.HasField("dim_value") for dim in dims):
+        return None
+    return tuple(dim.dim_value for dim in dims)
+
+
 def node_inputs(node: onnx.NodeProto) -> list[str]:
     """The names `node` reads from its graph: its inputs and its subgraphs' (`branch_inputs`).
     A rewrite that counts a value's readers counts these, or it drops a value a branch reads."""

@@ -24,7 +24,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-from lazygrad.capture.node_order import attribute, is_standard, node_inputs
+from lazygrad.capture.node_order import attribute, is_standard, node_inputs, static_shape
 from lazygrad.capture.onnx_constants import constant_tensors
 from lazygrad.capture.reshaped_outputs import outputs_made_by_sources
 
@@ -46,7 +46,7 @@ def added_in_torch(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
     made_by = {output: node for node in graph.node for output in node.output}
     outputs = {value.name for value in graph.output}
     constants = constant_tensors(graph)
-    shapes = {value.name: _static_shape(value) for value in graph.value_info}
+    shapes = {value.name: static_shape(value) for value in graph.value_info}
     types = {value.name: value.type.tensor_type.elem_type
              for value in (*graph.input, *graph.value_info) if value.type.tensor_type.elem_type}
 
@@ -79,7 +79,7 @@ def added_in_torch(model: onnx.ModelProto, final: set[str]) -> onnx.ModelProto:
                 continue
             scatter, shape, chain = into_zeros
             _, indices, added = scatter.input
-            if shapes.get(base) != shape or added not in made_by:
+            if shapes.get(base) != tuple(shape) or added not in made_by:
                 continue
             renamed[base] = value.name
             dropped.update({id(node), *map(id, chain)})
@@ -112,14 +112,6 @@ def _into_zeros(node: onnx.NodeProto | None, made_by: dict, readers: collections
         return None
     shape, chain = zeros
     return node, shape, [node, *chain]
-
-
-def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
-    dims = value.type.tensor_type.shape.dim
-    if not value.type.tensor_type.HasField("shape") or not all(d.HasField("dim_value")
-                                                               for d in dims):
-        return None
-    return [d.dim_value for d in dims]
 
 
 def _zeros(name: str, made_by: dict, readers: collections.Counter,

@@ -30,7 +30,7 @@ import onnx
 import onnx.helper
 import torch
 
-from lazygrad.capture.node_order import attribute, is_standard, node_inputs
+from lazygrad.capture.node_order import attribute, is_standard, node_inputs, static_shape
 from lazygrad.capture.onnx_constants import scalar_constants
 from lazygrad.capture.stacked_products import stacked_block, zero_constants
 
@@ -70,15 +70,6 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return copied
 
 
-def _static_shape(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
-    if not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
-        return None
-    dims = value.type.tensor_type.shape.dim
-    if any(not dim.HasField("dim_value") for dim in dims):
-        return None
-    return tuple(dim.dim_value for dim in dims)
-
-
 def _slice_type(name: str, elem_type: int, shape: tuple[int, ...]) -> onnx.ValueInfoProto:
     return onnx.helper.make_tensor_value_info(name, elem_type, list(shape[1:]))
 
@@ -97,7 +88,7 @@ def _sliced_inputs(graph: onnx.GraphProto, state: Collection[str]) -> list[Stack
     walked: list[onnx.NodeProto] = []  # Transposes on the way, dropped where left unread
     stacked = []
     for value in list(graph.input):  # slices are added to it
-        shape = _static_shape(value)
+        shape = static_shape(value)
         if value.name not in state or shape is None or len(shape) < 2 or shape[0] < 2:
             continue
         slices: dict[int, str] = {}
@@ -183,7 +174,7 @@ def _sliced_outputs(graph: onnx.GraphProto) -> list[Stacked]:
         if blocks is None:
             outputs.append(value)
             continue
-        shape = _static_shape(value)
+        shape = static_shape(value)
         elem_type = value.type.tensor_type.elem_type
         stack = made_by[value.name]
         dropped.add(id(stack))
@@ -210,7 +201,7 @@ def _blocks(
     """The blocks `value` stacks, one per slice of its static shape, each made by a node of
     its own and read by nothing else; else None."""
     stack = made_by.get(value.name)
-    shape = _static_shape(value)
+    shape = static_shape(value)
     if not is_standard(stack, "Concat") or attribute(stack, "axis") != 0 or shape is None \
             or value.type.tensor_type.elem_type not in TORCH_DTYPES \
             or len(shape) < 2 or len(stack.input) != shape[0] or reads[value.name] != 1:
