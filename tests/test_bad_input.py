@@ -361,6 +361,7 @@ def test_calls_that_eager_refuses_leave_the_graph_serving_the_calls_after_them()
             assert_grads_equal(lazy, eager, "after the errors")
     stats = lazygrad.stats(lazy)
     assert stats.hits == 2 and stats.eager_steps == 0 and stats.breaks == 0
+    assert stats.fallbacks == 0
 
 
 def test_orts_errors_name_the_node_and_its_message_without_cpp_source():
