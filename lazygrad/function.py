@@ -13,7 +13,11 @@ from typing import Any, Protocol
 
 import torch
 
-from lazygrad.capture.private import release_saved_tensors, set_versions
+from lazygrad.capture.private import (
+    release_saved_tensors,
+    set_versions,
+    skip_hooks_without_gradient,
+)
 
 
 class Step(Protocol):
@@ -27,7 +31,7 @@ class Step(Protocol):
     def forward(
         self, inputs: tuple[torch.Tensor, ...]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Outputs, and the tensors to save for backward."""
+        """Outputs, and the tensors to save for backward: the inputs first, in their order."""
 
     def backward(
         self, saved: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
@@ -61,9 +65,14 @@ class LazyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         saved = list(ctx.saved_tensors)
+        inputs = saved[: len(ctx.needs_input_grad) - 1]
         if ctx.step.frees_as_it_goes:  # the step holds the only references from here
             release_saved_tensors(ctx)  # (a hook per tensor: 28 a call on the MoE layer)
-        return (None, *ctx.step.backward(saved, grads))
+        gradients = ctx.step.backward(saved, grads)
+        for tensor, gradient, needed in zip(inputs, gradients, ctx.needs_input_grad[1:]):
+            if gradient is None and needed:
+                skip_hooks_without_gradient(tensor)
+        return (None, *gradients)
 
 
 class MaskProbe(torch.autograd.Function):

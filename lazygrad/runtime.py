@@ -40,6 +40,7 @@ from lazygrad.capture import (
     capture,
     checks,
     export,
+    private,
     refuse_reads,
     unchanged,
     watching_first_call,
@@ -1387,9 +1388,15 @@ class _FirstBackward:
                  device: torch.device, watch: Watch) -> None:
         self.runtime, self.signature, self.entry = runtime, signature, entry
         self.primals = [p.detach().requires_grad_(p.requires_grad) for p in primals]
+        # The probe passes None on for an output that got no gradient, and eager's graph of that
+        # output hands it on to the tensors it reads (`private.skip_hooks_without_gradient`).
+        self.hooked = [p for p in primals if p.requires_grad and private.has_tensor_hooks(p)]
         self.count, self.probed, self.device, self.watch = count, probed, device, watch
 
     def on_backward(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if any(grad is None for grad in grads):
+            for tensor in self.hooked:
+                private.skip_hooks_without_gradient(tensor)
         if torch.is_grad_enabled():
             # create_graph=True: such a backward runs in eager PyTorch whatever is built (ORT's
             # records no graph), so none is built for it (a gradient penalty's signature built

@@ -444,6 +444,38 @@ def release_saved_tensors(ctx: object) -> None:
             return
 
 
+class _WithGradient:
+    """A tensor hook that runs only where a gradient arrives (`skip_hooks_without_gradient`)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, grad: torch.Tensor | None) -> Any:
+        return None if grad is None else self.hook(grad)
+
+
+def has_tensor_hooks(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has hooks of `Tensor.register_hook`."""
+    return bool(tensor._backward_hooks)
+
+
+def skip_hooks_without_gradient(tensor: torch.Tensor) -> None:
+    """From now on `tensor`'s hooks (`Tensor.register_hook`) run only where a gradient arrives.
+
+    PyTorch runs a tensor's hooks with None where a custom autograd Function (a lazy call's
+    node, a first step's probe) gives it no gradient: a parameter that only outputs outside the
+    grad mask read, or that no output reads. Eager's graph never reaches such a tensor, so its
+    hooks never run, and a hook written for eager (`p.register_hook(lambda g: g.clamp(-1, 1))`)
+    failed on None. A hook registered later is wrapped at the next backward that needs it."""
+    hooks = tensor._backward_hooks
+    if hooks:
+        for key, hook in list(hooks.items()):
+            if not isinstance(hook, _WithGradient):
+                hooks[key] = _WithGradient(hook)
+
+
 def storage_id(tensor: torch.Tensor) -> int | None:
     """The identity of the storage behind `tensor` (a `.data` assignment replaces it; an
     in-place op does not); None for a tensor without one (a subclass that wraps others)."""
