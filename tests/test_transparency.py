@@ -176,9 +176,10 @@ def test_tensor_hooks_and_module_hooks_fire_once_per_call():
 
 
 def test_parameter_hooks_run_only_where_a_gradient_arrives():
-    """Eager runs a parameter's hook only where its gradient arrives. A lazy call's node, and a
+    """Eager runs a parameter's hooks only where its gradient arrives. A lazy call's node, and a
     first step's probe, hand None on for the parameters outside the mask, which PyTorch passes
-    to their hooks: a hook written for eager (a clamp) failed there."""
+    to their hooks, and after it runs their post-accumulate hooks: a hook written for eager (a
+    clamp) failed there."""
     torch.manual_seed(0)
     model = lazygrad.lazy(ThreeHeadMLP(), wait_for_builds=True)
     eager = _reference(model)
@@ -188,6 +189,8 @@ def test_parameter_hooks_run_only_where_a_gradient_arrives():
         for name, p in m.named_parameters():
             p.register_hook(
                 lambda g, log=calls[m], name=name: log.append(name) or g.clamp(-0.01, 0.01))
+            p.register_post_accumulate_grad_hook(
+                lambda p, log=calls[m], name=name: log.append(f"{name} {p.grad.shape}"))
     # The first step runs eagerly behind the probe; the others through ORT, two of them with a
     # mask first seen at their backward.
     for outputs in ([0], [1], [0, 2], [0]):

@@ -456,24 +456,63 @@ class _WithGradient:
         return None if grad is None else self.hook(grad)
 
 
+class _Arrival:
+    """A tensor hook that notes whether a gradient arrived at the accumulation it precedes."""
+
+    __slots__ = ("arrived",)
+
+    def __init__(self) -> None:
+        self.arrived = True
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        self.arrived = grad is not None
+
+
+class _AfterGradient:
+    """A post-accumulate-grad hook that runs only where its tensor's `_Arrival` saw a gradient."""
+
+    __slots__ = ("hook", "arrival")
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any], arrival: _Arrival) -> None:
+        self.hook, self.arrival = hook, arrival
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        return self.hook(tensor) if self.arrival.arrived else None
+
+
 def has_tensor_hooks(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` has hooks of `Tensor.register_hook`."""
-    return bool(tensor._backward_hooks)
+    """Whether `tensor` has hooks of `Tensor.register_hook` or of
+    `register_post_accumulate_grad_hook`."""
+    return bool(tensor._backward_hooks) or bool(tensor._post_accumulate_grad_hooks)
 
 
 def skip_hooks_without_gradient(tensor: torch.Tensor) -> None:
-    """From now on `tensor`'s hooks (`Tensor.register_hook`) run only where a gradient arrives.
+    """From now on `tensor`'s hooks (`register_hook`, `register_post_accumulate_grad_hook`) run
+    only where a gradient arrives.
 
-    PyTorch runs a tensor's hooks with None where a custom autograd Function (a lazy call's
-    node, a first step's probe) gives it no gradient: a parameter that only outputs outside the
-    grad mask read, or that no output reads. Eager's graph never reaches such a tensor, so its
-    hooks never run, and a hook written for eager (`p.register_hook(lambda g: g.clamp(-1, 1))`)
+    PyTorch runs a tensor's hooks with None, and accumulates None into a leaf's `.grad` and runs
+    its post-accumulate hooks, where a custom autograd Function (a lazy call's node, a first
+    step's probe) gives it no gradient: a parameter that only outputs outside the grad mask
+    read, or that no output reads. Eager's graph never reaches such a tensor, so none of its
+    hooks run, and a hook written for eager (`p.register_hook(lambda g: g.clamp(-1, 1))`)
     failed on None. A hook registered later is wrapped at the next backward that needs it."""
     hooks = tensor._backward_hooks
     if hooks:
         for key, hook in list(hooks.items()):
-            if not isinstance(hook, _WithGradient):
+            if not isinstance(hook, (_WithGradient, _Arrival)):
                 hooks[key] = _WithGradient(hook)
+    after = tensor._post_accumulate_grad_hooks
+    if not after:
+        return
+    unwrapped = [(key, hook) for key, hook in after.items() if not isinstance(hook, _AfterGradient)]
+    if unwrapped:
+        arrival = next((hook.arrival for hook in after.values()
+                        if isinstance(hook, _AfterGradient)), None)
+        if arrival is None:
+            arrival = _Arrival()
+            tensor.register_hook(arrival)
+        for key, hook in unwrapped:
+            after[key] = _AfterGradient(hook, arrival)
 
 
 def storage_id(tensor: torch.Tensor) -> int | None:
