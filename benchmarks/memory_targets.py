@@ -6,7 +6,8 @@ measures the targets' figures (about an hour; `--no-batches`: the peaks alone, 2
 
 - Peaks: workloads A and B, keep and del loops, eager against lazygrad's default policy, with
   and without `recompute_layers=True` (layer-wise recomputation: one more forward of each layer
-  in the backward for a stash of layer inputs, capture/layers.py), each a fresh process
+  in the backward for a stash of layer inputs, capture/layers.py), and `policy="all"`
+  (ORTModule's stash, which A's default must not exceed), each a fresh process
   (`memory.run_fresh`, default allocator) of 4 steps (lazy loops run on until ORT has served
   steps). Each lazygrad config runs twice on one disk cache: "cold" (empty: the build, trace,
   export and check, runs in the process, beside eager steps) and "warm" (a second process of the
@@ -39,7 +40,9 @@ from benchmarks import memory
 
 STEPS = 4
 SEARCHED = ("eager", memory.DEFAULT, memory.LAYERS, "all")
-LAZY = {"": memory.DEFAULT, "layers ": memory.LAYERS}  # the peaks' lazygrad configs
+# The peaks' lazygrad configs (name prefix: config), and each one's column title.
+LAZY = {"": memory.DEFAULT, "layers ": memory.LAYERS, "all ": "all"}
+TITLES = {"": "lazygrad", "layers ": "recompute_layers", "all ": '"all"'}
 HIGH = {"A": 48, "B": 32}  # a batch assumed not to fit the budget
 PROBES = 4
 
@@ -141,11 +144,12 @@ def main(argv: list[str] | None = None) -> None:
         f"## {stamp} (`python -m benchmarks.memory_targets`)",
         "",
         f"Load average {os.getloadavg()[0]:.1f} at the end. Peak MiB (x eager), {processes}; "
-        "default policy, and with `recompute_layers=True`.",
+        "default policy, with `recompute_layers=True`, and `policy=\"all\"` (ORTModule's stash).",
         "",
-        "| workload | loop | eager | lazygrad, cold cache | lazygrad, warm cache "
-        "| recompute_layers, cold | recompute_layers, warm |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | loop | eager | "
+        + " | ".join(f"{TITLES[name]}, {kind}" for name in LAZY for kind in ("cold", "warm"))
+        + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in range(2 * len(LAZY))) + " |",
     ]
     for (workload, loop), found in peaks.items():
         cells = [peak_cell(found[f"{name}{kind}"], found["eager"])
