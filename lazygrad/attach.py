@@ -47,10 +47,12 @@ class LazyForward:
 
 
 def call_lazily(runtime: Any, args: tuple, kwargs: dict) -> Any:
-    """A lazy module's call: as a plain module where torch compiles, exports or transforms it;
-    inside a non-reentrant checkpoint region, the way the region's recomputation can repeat
+    """A lazy module's call: as a plain module where torch compiles, exports or transforms it,
+    and under autograd's anomaly mode (which checks each of eager's backward nodes for NaN;
+    ORT's backward is one node, and a NaN made and masked inside it went unseen); inside a
+    non-reentrant checkpoint region, the way the region's recomputation can repeat
     (`Runtime.in_region`); else through its runtime."""
-    if traced_by_torch():
+    if traced_by_torch() or torch.is_anomaly_enabled():
         return run_forward(runtime.module, *args, **kwargs)
     region = checkpoint_region()
     if region is not None:

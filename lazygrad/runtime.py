@@ -1397,10 +1397,12 @@ class _FirstBackward:
         if any(grad is None for grad in grads):
             for tensor in self.hooked:
                 private.skip_hooks_without_gradient(tensor)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or any(private.batched(g) for g in grads if g is not None):
             # create_graph=True: such a backward runs in eager PyTorch whatever is built (ORT's
             # records no graph), so none is built for it (a gradient penalty's signature built
-            # a pair that never served); a later plain backward of the signature builds.
+            # a pair that never served); a later plain backward of the signature builds. So too
+            # for a batch of cotangents under vmap, which ORT cannot take (a vectorised
+            # jacobian's build failed, and its signature ran in parts from then on).
             return
         cotangents: list[torch.Tensor | None] = [None] * self.count
         for index, grad in zip(self.probed, grads):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lazygrad import generators
+from lazygrad.capture import private
 from lazygrad.graph_pair import ChecksFailed, GraphPair
 
 # (mask, primals, cotangents) -> the pair of that mask, found or built; None if it cannot be
@@ -106,9 +107,12 @@ class Step:
         root_mask = tuple(g is not None for g in grads)
         if not any(root_mask):
             return [None] * count
-        if torch.is_grad_enabled():
-            # create_graph=True: ORT's backward records no graph of its own, so eager's does.
-            return self._eager_backward(primals, grads, self._generator_state, True)
+        if torch.is_grad_enabled() or any(private.batched(g) for g in grads if g is not None):
+            # create_graph=True: ORT's backward records no graph of its own, so eager's does; so
+            # too for a batch of cotangents under vmap (`is_grads_batched`, a vectorised
+            # jacobian), which ORT cannot take.
+            return self._eager_backward(primals, grads, self._generator_state,
+                                        torch.is_grad_enabled())
         if self.policy == "all":
             return self._backward_all(primals, draws, kept, grads, root_mask)
         mask = self.pair.aliasing.output_mask(root_mask)

@@ -715,6 +715,69 @@ def test_torch_func_transforms_see_the_plain_module():
     assert lazygrad.stats(lazy).fallbacks == 0
 
 
+@pytest.mark.parametrize("trained", [False, True])
+def test_batched_cotangents_and_vectorised_jacobians_give_eagers_gradients(trained):
+    """`is_grads_batched=True` and `jacobian(vectorize=True)` run the backward under vmap: a
+    batch of cotangents, which ORT cannot take. Both at a signature's first call (its probe
+    built from them, and failed: the signature ran in parts from then on) and through a built
+    pair, eager's gradients; a later plain step still runs through ORT."""
+    lazy, eager = _trained_pair() if trained else (lazygrad.lazy(ThreeHeadMLP()), None)
+    eager = eager or _reference(lazy)
+    x = torch.randn(4, 16)
+    rows = torch.eye(4).unsqueeze(-1)  # a cotangent per row of the first output, [4, 4, 1]
+    for m in (lazy, eager):
+        m.zero_grad(set_to_none=True)
+    batched = {}
+    for m in (lazy, eager):
+        xi = x.clone().requires_grad_()
+        (batched[m],) = torch.autograd.grad(m(xi)[0], xi, rows, is_grads_batched=True)
+    assert_close(batched[lazy], batched[eager], "rows of the input's jacobian")
+    jacobians = [torch.autograd.functional.jacobian(lambda v, m=m: m(v)[0], x, vectorize=True)
+                 for m in (lazy, eager)]
+    assert_close(*jacobians, "vectorised jacobian")
+    for m in (lazy, eager):
+        (m(x)[0].sum() + m(x)[1].square().mean()).backward()
+    assert_grads_equal(lazy, eager, "a plain step after")
+    stats = lazygrad.stats(lazy)
+    assert stats.fallbacks == 0 and stats.breaks == 0, stats.reasons
+
+
+def test_forward_mode_ad_and_anomaly_mode_see_the_plain_module():
+    """A dual input's tangent needs a jvp, which ORT's autograd node has none of (the call
+    raised); anomaly mode checks each backward node of eager's for NaN, and a NaN made and
+    masked inside ORT's one node went unseen (`sqrt`'s infinite slope at 0 times a zero
+    cotangent, behind a ReLU)."""
+    import torch.autograd.forward_ad as fwad
+
+    lazy, eager = _trained_pair()
+    x, tangent = torch.randn(4, 16), torch.randn(4, 16)
+    tangents = []
+    for m in (lazy, eager):
+        with fwad.dual_level():
+            tangents.append(fwad.unpack_dual(m(fwad.make_dual(x, tangent))[0]).tangent)
+    assert_close(*tangents, "forward-mode tangent")
+
+    class Rooted(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.sqrt(torch.relu(self.linear(x)))
+
+    torch.manual_seed(0)
+    rooted = lazygrad.lazy(Rooted(), wait_for_builds=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second call runs through ORT
+        (rooted(x) * 0).sum().backward()
+    assert rooted.linear.weight.grad.isfinite().all()  # the NaN is masked
+    with torch.autograd.detect_anomaly(check_nan=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly mode's own warning
+        with pytest.raises(RuntimeError, match="SqrtBackward0' returned nan"):
+            (rooted(x) * 0).sum().backward()
+    assert lazygrad.stats(lazy).fallbacks == 0 and lazygrad.stats(rooted).fallbacks == 0
+
+
 @pytest.mark.parametrize("how", ["torch.export", "torch.onnx.export", "torch.jit.trace"])
 def test_exporters_export_the_plain_module(how, tmp_path):
     """A trained lazy model exported for serving: torch's tracers see its PyTorch forward (the

@@ -51,14 +51,23 @@ def traced_by_torch() -> bool:
     symbolic tracing (torchvision's feature extractors), or a torch.func transform (grad,
     vmap, jacrev); or whether a dispatch mode sees its ops (a selective checkpoint's, which
     replays in the recomputation the ops it recorded in the forward; fake tensors for a memory
-    estimate; a FLOP counter). A lazy module then runs as its plain self, so torch sees,
-    differentiates or exports its PyTorch forward: run through ORT, torch.func raised, the
-    exporters failed on lazygrad's own call, and a lazy part inside a selective checkpoint
-    crashed the recomputation (ops it had not recorded)."""
+    estimate; a FLOP counter); or whether forward-mode AD's dual level is open (a dual input's
+    tangent needs a jvp, which ORT's node has none of: such a call raised). A lazy module then
+    runs as its plain self, so torch sees, differentiates or exports its PyTorch forward: run
+    through ORT, torch.func raised, the exporters failed on lazygrad's own call, and a lazy
+    part inside a selective checkpoint crashed the recomputation (ops it had not recorded)."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting()
             or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
             or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch._C._len_torch_dispatch_stack() > 0)
+            or torch._C._len_torch_dispatch_stack() > 0
+            or torch.autograd.forward_ad._current_level >= 0)
+
+
+def batched(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a batch of tensors under vmap (torch.func's, or the one
+    `torch.autograd.grad(..., is_grads_batched=True)` and a vectorised jacobian run)."""
+    return (torch._C._functorch.is_batchedtensor(tensor)
+            or torch._C._functorch.is_legacy_batchedtensor(tensor))
 
 
 def checkpoint_region() -> tuple[Any, Any] | None:
