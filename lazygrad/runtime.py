@@ -1397,7 +1397,7 @@ class _FirstBackward:
         if any(grad is None for grad in grads):
             for tensor in self.hooked:
                 private.skip_hooks_without_gradient(tensor)
-        if torch.is_grad_enabled() or any(private.batched(g) for g in grads if g is not None):
+        if torch.is_grad_enabled() or private.any_batched(grads):
             # create_graph=True: such a backward runs in eager PyTorch whatever is built (ORT's
             # records no graph), so none is built for it (a gradient penalty's signature built
             # a pair that never served); a later plain backward of the signature builds. So too

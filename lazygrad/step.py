@@ -107,7 +107,7 @@ class Step:
         root_mask = tuple(g is not None for g in grads)
         if not any(root_mask):
             return [None] * count
-        if torch.is_grad_enabled() or any(private.batched(g) for g in grads if g is not None):
+        if torch.is_grad_enabled() or private.any_batched(grads):
             # create_graph=True: ORT's backward records no graph of its own, so eager's does; so
             # too for a batch of cotangents under vmap (`is_grads_batched`, a vectorised
             # jacobian), which ORT cannot take.

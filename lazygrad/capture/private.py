@@ -63,11 +63,12 @@ def traced_by_torch() -> bool:
             or torch.autograd.forward_ad._current_level >= 0)
 
 
-def batched(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a batch of tensors under vmap (torch.func's, or the one
+def any_batched(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether any of `tensors` is a batch of tensors under vmap (torch.func's, or the one
     `torch.autograd.grad(..., is_grads_batched=True)` and a vectorised jacobian run)."""
-    return (torch._C._functorch.is_batchedtensor(tensor)
-            or torch._C._functorch.is_legacy_batchedtensor(tensor))
+    return any(torch._C._functorch.is_batchedtensor(tensor)
+               or torch._C._functorch.is_legacy_batchedtensor(tensor)
+               for tensor in tensors if tensor is not None)
 
 
 def checkpoint_region() -> tuple[Any, Any] | None:
@@ -499,12 +500,12 @@ def skip_hooks_without_gradient(tensor: torch.Tensor) -> None:
     """From now on `tensor`'s hooks (`register_hook`, `register_post_accumulate_grad_hook`) run
     only where a gradient arrives.
 
-    PyTorch runs a tensor's hooks with None, and accumulates None into a leaf's `.grad` and runs
-    its post-accumulate hooks, where a custom autograd Function (a lazy call's node, a first
-    step's probe) gives it no gradient: a parameter that only outputs outside the grad mask
-    read, or that no output reads. Eager's graph never reaches such a tensor, so none of its
-    hooks run, and a hook written for eager (`p.register_hook(lambda g: g.clamp(-1, 1))`)
-    failed on None. A hook registered later is wrapped at the next backward that needs it."""
+    PyTorch runs a tensor's hooks with None, and a leaf's post-accumulate hooks with its `.grad`
+    as it was, where a custom autograd Function (a lazy call's node, a first step's probe) gives
+    it no gradient: a parameter that only outputs outside the grad mask read, or that no output
+    reads. Eager's graph never reaches such a tensor, so none of its hooks run, and a hook
+    written for eager (`p.register_hook(lambda g: g.clamp(-1, 1))`) failed on None. A hook
+    registered later is wrapped at the next backward that needs it."""
     hooks = tensor._backward_hooks
     if hooks:
         for key, hook in list(hooks.items()):
