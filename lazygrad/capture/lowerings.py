@@ -327,14 +327,15 @@ def _weight_gradient_by_products(grad_output, input, weight, stride, padding, di
                                        stride[axis])
         windows.append(aten.reshape.default(
             window, [batch, channels_in, -1] if per_image else [channels_in, -1]))
-    if channels_in <= STACKED_UP_TO and len(windows) > 1:  # [batch, kernel x C_in, positions]
+    stacked = channels_in <= STACKED_UP_TO and len(windows) > 1
+    if stacked:  # [batch, kernel x C_in, positions] or [kernel x C_in, batch x positions]
         windows = [aten.cat.default(windows, 1 if per_image else 0)]
     products = [
         aten.sum.dim_IntList(aten.bmm.default(gradient, aten.transpose.int(window, 1, 2)), [0])
         if per_image else aten.mm.default(gradient, aten.t.default(window))
         for window in windows
     ]
-    if len(products) == 1:  # [C_out, kernel x C_in]
+    if stacked:  # [C_out, kernel x C_in]
         by_position = aten.reshape.default(products[0], [channels_out, -1, channels_in])
         return aten.reshape.default(aten.permute.default(by_position, [0, 2, 1]),
                                     [channels_out, channels_in, *kernel])
