@@ -7,7 +7,10 @@ workloads are `benchmarks/workloads.py`'s, the same models and losses as the mai
 lazygrad itself cannot be imported there (it needs torch 2.13), so the example models' file, which
 needs only torch, is loaded by its path under its usual module name before the workloads are.
 ORTModule is compared with eager PyTorch of its own environment, interleaved as in the main run,
-so its ratio to eager stands beside lazygrad's ratio to its own eager.
+so its ratio to eager stands beside lazygrad's ratio to its own eager. Its sessions keep ORT's
+default of threads that spin on after a run: for about 50 ms they slowed the eager steps that
+followed (a MoE step 7.9 ms right after, 3.2 from the eighth on), which a loop of eager alone never
+pays. So each peer's timed step follows `LEAD_SECONDS` of its own steps.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+# Untimed steps of its own before each peer's timed step (`timing.interleave`): about three
+# times as long as ORTModule's spinning threads slowed the next steps.
+LEAD_SECONDS = 0.15
 
 
 def _load_example_models() -> None:
@@ -65,7 +72,8 @@ def main() -> None:
         steps["eager"](0)
         eager_first_step = time.perf_counter() - started
         interleave(steps, workload.settle, first_round=1)
-        samples = interleave(steps, args.rounds, first_round=1 + workload.settle)
+        samples = interleave(steps, args.rounds, first_round=1 + workload.settle,
+                             lead_seconds=LEAD_SECONDS)
         figures[name] = {
             "first_step_s": first_step,
             "eager_first_step_s": eager_first_step,
