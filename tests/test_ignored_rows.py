@@ -95,6 +95,44 @@ def test_an_ignored_row_that_overflowed_gives_eagers_nan_gradients():
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
+def _head_backward_with_another_term(logits, target, grad, total, weight, hidden, other):
+    """`_head_backward` where another term of the loss reads the logits too (its gradient
+    `other`, as large as them), added to cross-entropy's before the head's products."""
+    out = aten._log_softmax.default(logits, 1, False)
+    nll = aten.nll_loss_backward.default(grad, out, target, None, 1, -100, total)
+    g = aten._log_softmax_backward_data.default(nll, out, 1, logits.dtype)
+    g = aten.add.Tensor(other, g.view(2, -1, g.shape[1])).view(-1, g.shape[1])
+    return g.mm(weight), g.t().mm(hidden)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_another_terms_gradient_gets_the_kept_rows_added_to_it(overflow):
+    """Only the kept rows' softmax is computed and added to the other term's gradient; where an
+    ignored row is not finite every row is, and the NaN reaches the products as in eager."""
+    def inputs(seed, rows=8, classes=11):
+        generator = torch.Generator().manual_seed(100 + seed)
+        other = torch.randn(2, rows // 2, classes, generator=generator)
+        return (*_inputs(rows, classes, 5, seed), other)
+
+    dense, gm, fired = _rewritten(_head_backward_with_another_term, inputs(0))
+    assert fired == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten._softmax.default in targets and aten.index_put.default in targets
+    for seed in range(3):
+        found = inputs(seed, rows=2 * (3 + seed), classes=9 + seed)
+        if overflow:
+            found[0][int((found[1] == -100).nonzero()[0]), 3] = float("inf")
+        for got, expected in zip(gm(*found), dense(*found), strict=True):
+            assert torch.equal(got.isnan(), expected.isnan()) and expected.isnan().any() == overflow
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+        logits = found[0].clone().requires_grad_()  # and eager's, through autograd
+        (F.cross_entropy(logits, found[1], ignore_index=-100).mul(0.7)
+         + (logits * found[6].view_as(logits)).sum()).backward()
+        eager = (logits.grad @ found[4], logits.grad.t() @ found[5])
+        for got, expected in zip(gm(*found), eager, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_a_reader_other_than_a_product_or_sum_leaves_the_graph_as_it_is():
     def fn(logits, target, grad, total, weight, hidden):
         out = aten._log_softmax.default(logits, 1, False)
@@ -199,9 +237,10 @@ def _batch(batch: int, seq: int, generator: torch.Generator):
 @pytest.mark.parametrize("trains_logits", [False, True])
 def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_logits, fired,
                                                                         fired_forward):
-    """Only the loss trained: its ignored rows are skipped; the logits trained too: their
-    gradient is dense, nothing is skipped. Batches of other sizes and other masked counts
-    (one with every row masked, which the graph built on a few serves)."""
+    """Only the loss trained: its ignored rows are skipped; the logits trained too (their
+    gradient dense, read by the same products): the loss's rows are still computed alone and
+    added into it. Batches of other sizes and other masked counts (one with every row masked,
+    which the graph built on a few serves)."""
     torch.manual_seed(0)
     eager = MaskedLanguageModel()
     lazy = lazygrad.lazy(copy.deepcopy(eager), wait_for_builds=True)
@@ -224,9 +263,8 @@ def test_a_masked_language_model_trains_like_eager_over_changing_batches(trains_
             optimizer.zero_grad()
     stats = lazygrad.stats(lazy)
     assert stats.fallbacks == 0 and stats.breaks == 0 and stats.hits >= 4
-    # Both builds, the batch a symbol in the second (its labels' view sized from it): the
-    # backward's rows skipped where the logits are not trained, the loss's forward always.
-    assert fired == [0 if trains_logits else 1] * 2
+    # Both builds, the batch a symbol in the second (its labels' view sized from it).
+    assert fired == [1, 1]
     assert fired_forward == [1, 1]
 
 

@@ -19,6 +19,9 @@ computed from it, where the rows not kept add nothing:
 - `mm(g.t(), y)` (the weight's gradient): the product of the picked rows of `g` and `y`, the
   same sum over rows without its zero terms;
 - `sum(g, leading dims)` (the bias's gradient): the sum of the picked rows;
+- `add(g, t)`, the gradient of another term of the loss that reads the logits (a distillation's
+  divergence, an auxiliary score's mean; `t` as large as `g`): `t`, its picked rows plus theirs,
+  a copy of `t` where the dense gradient took a softmax, a product and a sum over every row;
 
 through views that keep the rows and casts (autocast's copy of the gradient into float16 for
 the head's products, cast again from the picked rows).
@@ -222,13 +225,15 @@ def _is_cast(node: fx.Node, read: fx.Node) -> bool:
         and same_shape(value, source)
 
 
-Reader = tuple[str, fx.Node, tuple[fx.Node, ...]]  # (kind, the reader, the casts before it)
+# (kind, the reader, the casts before it, what it reads: the gradient, a view or a cast of it)
+Reader = tuple[str, fx.Node, tuple[fx.Node, ...], fx.Node]
 
 
 def _readers(gradient: fx.Node) -> list[Reader] | None:
-    """(kind, reader, casts) for every reader of `gradient`, through views that keep its rows
-    (the last dimension kept, the leading ones merged or split) and casts (autocast's), if each
-    is a product or a sum over rows; None if one is not."""
+    """(kind, reader, casts, read) for every reader of `gradient`, through views that keep its
+    rows (the last dimension kept, the leading ones merged or split) and casts (autocast's), if
+    each is a product, a sum over rows or a sum with a tensor of its shape and type; None if one
+    is not."""
     rows, width = value_of(gradient).shape
     found: list[Reader] = []
     pending = [(gradient, ())]
@@ -244,17 +249,34 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
             elif _is_cast(user, read):
                 pending.append((user, (*casts, user)))
             elif user.target is aten.mm.default and user.args[0] is read and len(shape) == 2:
-                found.append(("product", user, casts))
+                found.append(("product", user, casts, read))
             elif len(shape) == 2 and _is_transpose(user) and user.users and all(
                     u.target is aten.mm.default and u.args[0] is user
                     and known(value_of(u.args[1]).shape[0] == rows) for u in user.users):
-                found.extend(("weight", u, casts) for u in user.users)
+                found.extend(("weight", u, casts, read) for u in user.users)
             elif user.target is aten.sum.dim_IntList and not user.kwargs and \
                     sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):
-                found.append(("sum", user, casts))
+                found.append(("sum", user, casts, read))
+            elif _addend(user, read) is not None:
+                found.append(("addend", user, casts, read))
             else:
                 return None
     return found
+
+
+def _addend(user: fx.Node, read: fx.Node) -> fx.Node | None:
+    """The other term of `user` where it is `read + t` (or `t + read`), `t` a tensor of the
+    same shape and type, so that the sum is `t` with `read` added row by row."""
+    if user.target is not aten.add.Tensor or user.kwargs or len(user.args) != 2:
+        return None
+    others = [a for a in user.args if a is not read]
+    if len(others) != 1 or not isinstance(others[0], fx.Node):
+        return None
+    values = [value_of(n) for n in (user, read, others[0])]
+    if any(not isinstance(v, torch.Tensor) for v in values):
+        return None
+    return others[0] if all(same_shape(v, values[0]) and v.dtype == values[0].dtype
+                            for v in values[1:]) else None
 
 
 def _skip_ignored_rows(graph: fx.Graph, gradient: fx.Node,
@@ -309,7 +331,7 @@ def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
     picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
                            row_weight)
     replacements = []
-    for kind, reader, casts in readers:
+    for kind, reader, casts, through in readers:
         read = picked_gradient
         for cast in casts:
             read = make(reader, cast.target, read, *cast.args[1:], **cast.kwargs)
@@ -321,6 +343,14 @@ def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
         elif kind == "weight":
             made = make(reader, aten.mm.default,
                         make(reader, aten.t.default, read), pick(reader, reader.args[1]))
+        elif kind == "addend":
+            other = _addend(reader, through)
+            rows_of_other = make(reader, aten.view.default, other, [
+                make.size(reader, logits, 0), make.size(reader, logits, 1)])
+            summed = make(reader, aten.index_put.default, rows_of_other, [rows], make(
+                reader, aten.add.Tensor, pick(reader, rows_of_other), read))
+            made = make(reader, aten.view.default, summed, [
+                make.size(reader, other, d) for d in range(value_of(other).dim())])
         else:
             total = make(reader, aten.sum.dim_IntList, read, [0])
             ones = [1] * (value_of(reader).dim() - 1)  # the rows' dimensions, kept or not

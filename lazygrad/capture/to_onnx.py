@@ -43,6 +43,7 @@ def to_onnx(gm: fx.GraphModule) -> onnx.ModelProto:
     # No onnxscript optimize(): its rewriter took 14 of 18 s per mask on the BERT-shaped model,
     # and ONNX Runtime's own graph optimisations (constant folding, fusions) run at load.
     model = onnx_program.model_proto
+    _identity_transposes_dropped(model.graph)
     complex_outputs = [value.name for value, node in zip(model.graph.output, outputs)
                        if (dtype := _dtype(node)) is not None and dtype.is_complex]
     if complex_outputs:
@@ -203,6 +204,41 @@ def _dense(value: torch.Tensor, order: list[int]) -> bool:
             return False
         expected *= value.shape[dim]
     return True
+
+
+def _identity_transposes_dropped(graph: onnx.GraphProto) -> None:
+    """Transposes whose permutation keeps every dimension in place dropped, in place, their
+    readers reading their input. torchlib's `index_put` moves the indexed dimensions first and
+    back; where they are first already, as a picked-rows write (`ignored_rows.py`), both
+    Transposes are identities, which ONNX Runtime runs as copies (one as large as a vocabulary
+    head's logits took 4 ms alone, 13 in a profiled step). A graph output, which must be some
+    node's output, keeps its Transpose."""
+    outputs = {value.name for value in graph.output}
+    renamed: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and perm \
+                and perm == list(range(len(perm))) and node.output[0] not in outputs:
+            renamed[node.output[0]] = renamed.get(node.input[0], node.input[0])
+            continue
+        _renamed_inputs(node, renamed)
+        kept.append(node)
+    if renamed:
+        del graph.node[:]
+        graph.node.extend(kept)
+
+
+def _renamed_inputs(node: onnx.NodeProto, renamed: dict[str, str]) -> None:
+    """`node`'s inputs renamed, and those of its subgraphs' nodes (an If's branches read the
+    outer graph's values by name)."""
+    node.input[:] = [renamed.get(name, name) for name in node.input]
+    for attribute in node.attribute:
+        for subgraph in [*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])]:
+            for inner in subgraph.node:
+                _renamed_inputs(inner, renamed)
+            for value in subgraph.output:
+                value.name = renamed.get(value.name, value.name)
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
