@@ -310,7 +310,11 @@ def ortmodule_notes(rows: list[report.Row], versions: dict[str, str],
         f"{versions['torch']}, Python {versions['python']}) ran in its own environment "
         "(`benchmarks/ortmodule/make_env.sh`), in a fresh subprocess per workload group, on the "
         "same models and losses: its x eager is against eager PyTorch of that environment, "
-        "interleaved round by round there as here, after the same warm-up steps; first step s is "
+        "interleaved round by round there as here, after the same warm-up steps, each peer's "
+        "timed step after 0.15 s of its own untimed steps (ORT's default sessions, which "
+        "ORTModule keeps, leave their threads spinning for about 50 ms after a run: eager's MoE "
+        "steps right after one took 6.9-7.8 ms, 2.8-3.2 alone; lazygrad's sessions stop "
+        "spinning as a run returns, so this run's peers step in plain turns); first step s is "
         "its first call and backward in that process (export, gradient graph, sessions). Its "
         "median step is not comparable with this environment's peers (another torch).",
         against_ortmodule(rows),
