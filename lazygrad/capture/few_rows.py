@@ -168,10 +168,13 @@ def _one_row(graph: fx.Graph, total: fx.Node) -> bool:
         return False
     make = Maker(graph, src)
     try:
-        rows = make(total, aten.reshape.default, src, [-1, math.prod(row_shape)])
+        # A matrix already (a linear layer's output gradient): no Reshape of the same shape.
+        rows = src if rank == 2 else make(
+            total, aten.reshape.default, src, [-1, math.prod(row_shape)])
         ones = make(total, aten.new_ones.default, rows, [1, make.size(total, rows, 0)])
         summed = make(total, aten.mm.default, ones, rows)
-        made = make(total, aten.view.default, summed, list(value_of(total).shape))
+        made = summed if same_shape(value_of(summed), value_of(total)) else make(
+            total, aten.view.default, summed, list(value_of(total).shape))
     except Exception:  # an op on these shapes this code did not expect: the sum stays
         make.undo()
         return False
