@@ -133,12 +133,15 @@ def test_another_terms_gradient_gets_the_kept_rows_added_to_it(overflow):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-def test_a_reader_other_than_a_product_or_sum_leaves_the_graph_as_it_is():
+@pytest.mark.parametrize("every_row", ["exp", "added to itself"])
+def test_a_reader_other_than_a_product_or_sum_leaves_the_graph_as_it_is(every_row):
     def fn(logits, target, grad, total, weight, hidden):
         out = aten._log_softmax.default(logits, 1, False)
         nll = aten.nll_loss_backward.default(grad, out, target, None, 1, -100, total)
         g = aten._log_softmax_backward_data.default(nll, out, 1, logits.dtype)
-        return g.mm(weight), g.exp()  # every row of g read
+        if every_row == "exp":
+            return g.mm(weight), g.exp()  # every row of g read
+        return aten.add.Tensor(g.view(2, -1, g.shape[1]), g.view(2, -1, g.shape[1])).sum(0)
 
     dense, gm, fired = _rewritten(fn, _inputs(8, 11, 5, 0))
     assert fired == 0 and str(gm.graph) == str(dense.graph)

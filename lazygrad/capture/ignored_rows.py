@@ -237,8 +237,10 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
     rows, width = value_of(gradient).shape
     found: list[Reader] = []
     pending = [(gradient, ())]
+    visited = set()
     while pending:
         read, casts = pending.pop()
+        visited.add(read)
         shape = value_of(read).shape
         for user in read.users:
             value = value_of(user)
@@ -261,6 +263,10 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
                 found.append(("addend", user, casts, read))
             else:
                 return None
+    # A sum of two views of the gradient itself is every row of it.
+    if any(kind == "addend" and _addend(reader, read) in visited
+           for kind, reader, _, read in found):
+        return None
     return found
 
 

@@ -227,6 +227,9 @@ def _identity_transposes_dropped(graph: onnx.GraphProto) -> None:
     if renamed:
         del graph.node[:]
         graph.node.extend(kept)
+        shapes = [value for value in graph.value_info if value.name not in renamed]
+        del graph.value_info[:]
+        graph.value_info.extend(shapes)
 
 
 def _renamed_inputs(node: onnx.NodeProto, renamed: dict[str, str]) -> None:
