@@ -154,3 +154,18 @@ def test_memory_targets_report_the_median_of_repeated_processes_with_their_range
     assert peak_cell([900.0], [1000.0]) == "900 (0.90x)"
     assert eager_cell([1000.0, 1100.0, 1050.0]) == "1050 (1000-1100)"
     assert eager_cell([1000.0]) == "1000"
+
+
+def test_interleave_with_a_lead_times_each_step_after_its_own_preceding_steps() -> None:
+    """ORTModule's peer: each timed step follows that peer's own steps, untimed, in order (the
+    indices before it, as its loop would have run them), never another peer's."""
+    from benchmarks.timing import interleave
+
+    calls: list[tuple[str, int]] = []
+    steps = {name: (lambda index, name=name: calls.append((name, index))) for name in "ab"}
+    samples = interleave(steps, 3, first_round=10, lead_seconds=1e-9)
+    assert [len(samples[name].times) for name in "ab"] == [3, 3]
+    # One lead step each (the steps take far longer than the lead), then the timed one.
+    assert calls == [("a", 9), ("a", 10), ("b", 9), ("b", 10),
+                     ("b", 10), ("b", 11), ("a", 10), ("a", 11),
+                     ("a", 11), ("a", 12), ("b", 11), ("b", 12)]
