@@ -225,12 +225,12 @@ def _is_cast(node: fx.Node, read: fx.Node) -> bool:
         and same_shape(value, source)
 
 
-# (kind, the reader, the casts before it, what it reads: the gradient, a view or a cast of it)
-Reader = tuple[str, fx.Node, tuple[fx.Node, ...], fx.Node]
+# (kind, the reader, the casts before it, for an addend its other term, else None)
+Reader = tuple[str, fx.Node, tuple[fx.Node, ...], fx.Node | None]
 
 
 def _readers(gradient: fx.Node) -> list[Reader] | None:
-    """(kind, reader, casts, read) for every reader of `gradient`, through views that keep its
+    """(kind, reader, casts, other) for every reader of `gradient`, through views that keep its
     rows (the last dimension kept, the leading ones merged or split) and casts (autocast's), if
     each is a product, a sum over rows or a sum with a tensor of its shape and type; None if one
     is not."""
@@ -251,21 +251,20 @@ def _readers(gradient: fx.Node) -> list[Reader] | None:
             elif _is_cast(user, read):
                 pending.append((user, (*casts, user)))
             elif user.target is aten.mm.default and user.args[0] is read and len(shape) == 2:
-                found.append(("product", user, casts, read))
+                found.append(("product", user, casts, None))
             elif len(shape) == 2 and _is_transpose(user) and user.users and all(
                     u.target is aten.mm.default and u.args[0] is user
                     and known(value_of(u.args[1]).shape[0] == rows) for u in user.users):
-                found.extend(("weight", u, casts, read) for u in user.users)
+                found.extend(("weight", u, casts, None) for u in user.users)
             elif user.target is aten.sum.dim_IntList and not user.kwargs and \
                     sorted(d % len(shape) for d in user.args[1]) == list(range(len(shape) - 1)):
-                found.append(("sum", user, casts, read))
-            elif _addend(user, read) is not None:
-                found.append(("addend", user, casts, read))
+                found.append(("sum", user, casts, None))
+            elif (other := _addend(user, read)) is not None:
+                found.append(("addend", user, casts, other))
             else:
                 return None
     # A sum of two views of the gradient itself is every row of it.
-    if any(kind == "addend" and _addend(reader, read) in visited
-           for kind, reader, _, read in found):
+    if any(other in visited for *_, other in found):
         return None
     return found
 
@@ -337,7 +336,7 @@ def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
     picked_gradient = make(gradient, aten.scatter_add.default, scaled, 1, pick(gradient, index),
                            row_weight)
     replacements = []
-    for kind, reader, casts, through in readers:
+    for kind, reader, casts, other in readers:
         read = picked_gradient
         for cast in casts:
             read = make(reader, cast.target, read, *cast.args[1:], **cast.kwargs)
@@ -350,7 +349,6 @@ def _picked(make: Maker, gradient: fx.Node, matched: tuple[fx.Node, ...],
             made = make(reader, aten.mm.default,
                         make(reader, aten.t.default, read), pick(reader, reader.args[1]))
         elif kind == "addend":
-            other = _addend(reader, through)
             rows_of_other = make(reader, aten.view.default, other, [
                 make.size(reader, logits, 0), make.size(reader, logits, 1)])
             summed = make(reader, aten.index_put.default, rows_of_other, [rows], make(
